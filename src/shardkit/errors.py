@@ -1,0 +1,86 @@
+"""The shardkit exception tree.
+
+Every error shardkit raises derives from :class:`ShardkitError`, and also from
+the builtin that fits, so ``except ValueError`` or ``except FileNotFoundError``
+keep working in code that does not know shardkit.
+
+Messages say what was found, what was allowed, and how to fix it; callers
+chain the cause with ``raise ... from e``.
+
+Example::
+
+    try:
+        load_distributed(path, rank=0, world_size=2)
+    except MissingShardError as e:      # also a FileNotFoundError
+        print(e)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShardkitError",
+    "CheckpointError",
+    "MetadataError",
+    "MissingShardError",
+    "ChecksumError",
+    "IncompleteCheckpointError",
+    "TensorMismatchError",
+    "AsyncCheckpointError",
+    "CommError",
+    "UnsupportedOpError",
+    "InvalidRankError",
+    "CommTimeoutError",
+    "CommAbortedError",
+]
+
+
+class ShardkitError(Exception):
+    """Root of every error shardkit raises."""
+
+
+class CheckpointError(ShardkitError):
+    """A checkpoint could not be saved, read or checked."""
+
+
+class MetadataError(CheckpointError, ValueError):
+    """Bad or unknown metadata, index or file header."""
+
+
+class MissingShardError(CheckpointError, FileNotFoundError):
+    """A file a checkpoint needs is not there."""
+
+
+class ChecksumError(CheckpointError):
+    """Bytes read back do not match the checksum recorded when they were saved."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A save that never finished: no manifest, or files shorter than recorded."""
+
+
+class TensorMismatchError(CheckpointError, ValueError):
+    """A shape, dtype or key does not match what was expected."""
+
+
+class AsyncCheckpointError(CheckpointError):
+    """A background save failed, or was used wrongly (e.g. two in flight)."""
+
+
+class CommError(ShardkitError):
+    """A collective or process-group operation failed."""
+
+
+class UnsupportedOpError(CommError):
+    """The operation is not supported on this group, backend or device."""
+
+
+class InvalidRankError(CommError, ValueError):
+    """A rank, root or world size is out of range."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A collective did not finish within the group's timeout (a peer may be dead)."""
+
+
+class CommAbortedError(CommError):
+    """The group was aborted; the operation was interrupted or refused."""

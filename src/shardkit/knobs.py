@@ -1,0 +1,26 @@
+"""Tunables, in one place.
+
+Every number that trades speed for memory or safety lives here, so tests and
+benchmarks can override it (``monkeypatch.setattr(knobs, "IO_CHUNK_BYTES", 64)``)
+and nobody hunts for a constant. Read them at call time (``knobs.X``), never
+copy them into a default argument.
+"""
+
+from __future__ import annotations
+
+#: Size of one read or write call when streaming tensor bytes to or from a file.
+IO_CHUNK_BYTES: int = 16 * 1024 * 1024
+
+#: Checksum granularity for data files: each block of this many bytes gets its
+#: own checksum, so a partial read can be verified without reading the file.
+CHECKSUM_BLOCK_BYTES: int = 8 * 1024 * 1024
+
+#: Largest safetensors JSON header we agree to parse (a hostile file could
+#: claim 2**60 bytes).
+MAX_SAFETENSORS_HEADER_BYTES: int = 100_000_000
+
+#: Largest index / metadata JSON file we agree to read.
+MAX_INDEX_BYTES: int = 10 * 1024 * 1024
+
+#: Threads used to read or write files in parallel inside one process.
+IO_THREADS: int = 4
