@@ -1,0 +1,41 @@
+"""Bytes and files: atomic publish, safetensors headers and ranges, checksums.
+
+This layer knows files and bytes only. It never decides which tensor bytes
+a rank needs; ``shardkit.checkpoint`` plans that and calls in here.
+"""
+
+from shardkit.storage.atomic import atomic_local_writer, fsync_dir, is_temp_name
+from shardkit.storage.backend import FsspecStorage, LocalStorage, Reader, Storage, storage_for
+from shardkit.storage.checksum import ALGORITHM, BlockHasher, FileRecord
+from shardkit.storage.paths import check_relative_name
+from shardkit.storage.safetensors_header import (
+    SafetensorsHeader,
+    TensorEntry,
+    build_header,
+    parse_header,
+    read_header,
+)
+from shardkit.storage.tensor_io import byte_view, read_ranges, write_safetensors
+
+__all__ = [
+    "ALGORITHM",
+    "BlockHasher",
+    "FileRecord",
+    "FsspecStorage",
+    "LocalStorage",
+    "Reader",
+    "SafetensorsHeader",
+    "Storage",
+    "TensorEntry",
+    "atomic_local_writer",
+    "build_header",
+    "byte_view",
+    "check_relative_name",
+    "fsync_dir",
+    "is_temp_name",
+    "parse_header",
+    "read_header",
+    "read_ranges",
+    "storage_for",
+    "write_safetensors",
+]

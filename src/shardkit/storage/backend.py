@@ -1,0 +1,241 @@
+"""Where bytes live: local paths and fsspec URLs behind one small interface.
+
+:func:`storage_for` picks the backend from the path: plain paths (and
+``file://``) go to :class:`LocalStorage`, which uses ``os`` calls directly
+(positional reads, fsync, atomic rename); anything with another scheme
+(``s3://``, ``memory://``, ...) goes to :class:`FsspecStorage`. Backends move
+bytes only; they know nothing of tensors or checkpoints.
+
+Example::
+
+    store = storage_for("/ckpt/step-100")
+    with store.atomic_writer(store.join("/ckpt/step-100", "metadata.json")) as f:
+        f.write(b"{}")
+    with store.open_reader(path) as r:
+        r.read_into(offset=0, out=memoryview(buf))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import BinaryIO, Iterator
+
+from shardkit.errors import MissingShardError
+from shardkit.storage.atomic import atomic_local_writer, fsync_dir
+
+__all__ = ["Reader", "Storage", "LocalStorage", "FsspecStorage", "storage_for"]
+
+
+class Reader:
+    """An open file that reads at explicit offsets (no shared seek position for local files)."""
+
+    def __init__(self, name: str, size_bytes: int):
+        self.name = name
+        self.size_bytes = size_bytes
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        raise NotImplementedError
+
+    def read(self, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.read_into(offset, memoryview(buf))
+        return bytes(buf)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _short(self, offset: int, wanted: int, got: int) -> EOFError:
+        return EOFError(
+            f"{self.name}: wanted {wanted} bytes at offset {offset}, the file ended after {got}; "
+            f"it is truncated (size now {self.size_bytes} bytes)"
+        )
+
+
+class _LocalReader(Reader):
+    def __init__(self, path: str):
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        super().__init__(path, os.fstat(self._fd).st_size)
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        out = out.cast("B") if out.format != "B" else out
+        done = 0
+        while done < len(out):
+            n = os.preadv(self._fd, [out[done:]], offset + done)
+            if n == 0:
+                raise self._short(offset, len(out), done)
+            done += n
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _FileObjReader(Reader):
+    """Reader over a seekable file object (fsspec); not thread-safe, so it locks."""
+
+    def __init__(self, name: str, fobj: BinaryIO, size_bytes: int):
+        import threading
+
+        super().__init__(name, size_bytes)
+        self._f = fobj
+        self._lock = threading.Lock()
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        out = out.cast("B") if out.format != "B" else out
+        with self._lock:
+            self._f.seek(offset)
+            done = 0
+            while done < len(out):
+                chunk = self._f.read(len(out) - done)
+                if not chunk:
+                    raise self._short(offset, len(out), done)
+                out[done : done + len(chunk)] = chunk
+                done += len(chunk)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class Storage:
+    """The operations shardkit needs from a place that holds files."""
+
+    def join(self, *parts: str) -> str:
+        raise NotImplementedError
+
+    def exists(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def size_bytes(self, path: str) -> int:
+        raise NotImplementedError
+
+    def makedirs(self, path: str) -> None:
+        raise NotImplementedError
+
+    def listdir(self, path: str) -> list[str]:
+        """Base names of the entries directly inside ``path``."""
+        raise NotImplementedError
+
+    def remove(self, path: str) -> None:
+        raise NotImplementedError
+
+    def open_reader(self, path: str) -> Reader:
+        raise NotImplementedError
+
+    def atomic_writer(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        """A file that appears at ``path`` whole when the block exits cleanly, or not at all."""
+        raise NotImplementedError
+
+    def read_bytes(self, path: str, *, max_bytes: int) -> bytes:
+        """The whole file, refusing one larger than ``max_bytes``."""
+        with self.open_reader(path) as r:
+            if r.size_bytes > max_bytes:
+                from shardkit.errors import MetadataError
+
+                raise MetadataError(
+                    f"{path} is {r.size_bytes} bytes, over the limit of {max_bytes} for this kind "
+                    f"of file; it is not a file shardkit wrote, or it is corrupt"
+                )
+            return r.read(0, r.size_bytes)
+
+
+class LocalStorage(Storage):
+    """Plain local files, with fsync and atomic rename."""
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def size_bytes(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted(os.listdir(path))
+
+    def remove(self, path: str) -> None:
+        os.remove(path)
+        fsync_dir(os.path.dirname(path) or ".")
+
+    def open_reader(self, path: str) -> Reader:
+        try:
+            return _LocalReader(path)
+        except FileNotFoundError as e:
+            raise MissingShardError(f"{path} does not exist") from e
+
+    def atomic_writer(self, path: str):
+        return atomic_local_writer(path)
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem. Atomicity is the store's own (object stores publish on close)."""
+
+    def __init__(self, url: str):
+        import fsspec
+
+        self.fs, _ = fsspec.core.url_to_fs(url)
+        self._protocol = url.split("://", 1)[0]
+
+    def _strip(self, path: str) -> str:
+        return self.fs._strip_protocol(path)
+
+    def join(self, *parts: str) -> str:
+        return "/".join(p.rstrip("/") for p in parts)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(self._strip(path))
+
+    def size_bytes(self, path: str) -> int:
+        return int(self.fs.size(self._strip(path)))
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(self._strip(path), exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self._strip(path), detail=False))
+
+    def remove(self, path: str) -> None:
+        self.fs.rm(self._strip(path))
+
+    def open_reader(self, path: str) -> Reader:
+        stripped = self._strip(path)
+        try:
+            size = int(self.fs.size(stripped))
+            return _FileObjReader(path, self.fs.open(stripped, "rb"), size)
+        except FileNotFoundError as e:
+            raise MissingShardError(f"{path} does not exist") from e
+
+    @contextlib.contextmanager
+    def atomic_writer(self, path: str) -> Iterator[BinaryIO]:
+        # Write under a temporary name, then move: on stores where mv is a copy,
+        # readers still never see a half-written final name.
+        tmp = self._strip(path) + ".tmp-shardkit"
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                yield f
+            self.fs.mv(tmp, self._strip(path))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.rm(tmp)
+            raise
+
+
+def storage_for(path: str | os.PathLike) -> tuple[Storage, str]:
+    """The backend for ``path`` and the path as that backend spells it."""
+    path = os.fspath(path)
+    if "://" in path and not path.startswith("file://"):
+        return FsspecStorage(path), path
+    if path.startswith("file://"):
+        path = path[len("file://") :]
+    return LocalStorage(), path

@@ -1,0 +1,110 @@
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardkit import knobs
+from shardkit.errors import ChecksumError, IncompleteCheckpointError, MetadataError
+from shardkit.storage import byte_view, read_header, read_ranges, storage_for, write_safetensors
+
+ALL_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+]
+
+
+def _sample(dtype, shape):
+    return (torch.randn(shape) * 10).to(dtype)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(knobs, "CHECKSUM_BLOCK_BYTES", 64)
+    monkeypatch.setattr(knobs, "IO_CHUNK_BYTES", 48)
+
+
+def _write(tmp_path, tensors, metadata=None):
+    store, path = storage_for(tmp_path / "f.safetensors")
+    record = write_safetensors(store, path, list(tensors.items()), metadata)
+    return store, path, record
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_written_file_opens_with_safetensors(tmp_path, small_blocks, dtype):
+    tensors = {"a": _sample(dtype, (3, 5)), "scalar": _sample(dtype, ()), "empty": _sample(dtype, (0, 4))}
+    _, path, record = _write(tmp_path, tensors, {"format": "pt"})
+    loaded = load_file(path)
+    for name, t in tensors.items():
+        assert loaded[name].dtype == dtype and loaded[name].shape == t.shape
+        assert torch.equal(loaded[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    assert record.bytes == (tmp_path / "f.safetensors").stat().st_size
+
+
+def test_non_contiguous_and_unicode_names(tmp_path):
+    t = torch.arange(24.0).reshape(4, 6).t()
+    _, path, _ = _write(tmp_path, {"ünï.çødé": t})
+    assert torch.equal(load_file(path)["ünï.çødé"], t)
+
+
+def test_read_ranges_verified_roundtrip(tmp_path, small_blocks):
+    tensors = {"a": torch.arange(100, dtype=torch.float32), "b": torch.arange(7, dtype=torch.int16)}
+    store, path, record = _write(tmp_path, tensors)
+    with store.open_reader(path) as r:
+        header = read_header(r)
+        a = torch.empty(100)
+        part = torch.empty(10)
+        entry = header.tensors["a"]
+        read_ranges(r, [(entry.begin, byte_view(a)), (entry.begin + 40, byte_view(part))], record)
+    assert torch.equal(a, tensors["a"]) and torch.equal(part, tensors["a"][10:20])
+
+
+def test_flipped_byte_is_detected(tmp_path, small_blocks):
+    store, path, record = _write(tmp_path, {"a": torch.arange(100, dtype=torch.float32)})
+    raw = bytearray((tmp_path / "f.safetensors").read_bytes())
+    raw[-5] ^= 0x01
+    (tmp_path / "f.safetensors").write_bytes(bytes(raw))
+    with store.open_reader(path) as r:
+        entry = read_header(r).tensors["a"]
+        out = torch.empty(100)
+        read_ranges(r, [(entry.begin, byte_view(out)[:40])], record)  # untouched block: fine
+        with pytest.raises(ChecksumError, match="corrupt"):
+            read_ranges(r, [(entry.begin, byte_view(out))], record)
+
+
+def test_truncated_file_is_reported(tmp_path, small_blocks):
+    store, path, record = _write(tmp_path, {"a": torch.arange(100, dtype=torch.float32)})
+    raw = (tmp_path / "f.safetensors").read_bytes()
+    (tmp_path / "f.safetensors").write_bytes(raw[:-10])
+    with store.open_reader(path) as r:
+        with pytest.raises(MetadataError, match="truncated"):
+            read_header(r)
+        with pytest.raises(IncompleteCheckpointError, match="records"):
+            read_ranges(r, [(100, memoryview(bytearray(4)))], record)
+
+
+def test_huge_declared_header_is_refused(tmp_path):
+    (tmp_path / "bad.safetensors").write_bytes(struct.pack("<Q", 2**60) + b"{}")
+    store, path = storage_for(tmp_path / "bad.safetensors")
+    with store.open_reader(path) as r, pytest.raises(MetadataError, match="declares a header"):
+        read_header(r)
+
+
+def test_invalid_header_json(tmp_path):
+    (tmp_path / "bad.safetensors").write_bytes(struct.pack("<Q", 4) + b"{no}")
+    store, path = storage_for(tmp_path / "bad.safetensors")
+    with store.open_reader(path) as r, pytest.raises(MetadataError, match="not valid JSON"):
+        read_header(r)
+
+
+def test_fsspec_memory_backend_roundtrip():
+    store, path = storage_for("memory://shardkit-test/x.safetensors")
+    store.makedirs("memory://shardkit-test")
+    record = write_safetensors(store, path, [("w", torch.ones(3, 3))])
+    with store.open_reader(path) as r:
+        entry = read_header(r).tensors["w"]
+        out = torch.empty(3, 3)
+        read_ranges(r, [(entry.begin, byte_view(out))], record)
+    assert torch.equal(out, torch.ones(3, 3))
+    assert "x.safetensors" in store.listdir("memory://shardkit-test")
