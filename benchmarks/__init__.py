@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks (see ../shared/design/BENCHMARKS.md). Run: ``python -m benchmarks``."""

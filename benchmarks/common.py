@@ -1,0 +1,67 @@
+"""Shared pieces of the benchmarks: timing, rows, the side-by-side table.
+
+A row is a plain dict: ``{"case", "impl", "median_s", "min_s", "max_s"}`` and
+optionally ``"bytes"`` (work size, for GB/s), ``"peak_bytes"`` (memory above
+baseline), ``"note"``. Within a case, the row whose impl is ``"shardkit"`` is
+compared with every other row; ``kind`` marks the comparison rows as
+``"peer"`` or ``"limit"`` (the physical bound).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable
+
+
+def time_reps(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> dict:
+    """Median/min/max seconds of ``fn()`` over ``reps`` runs (``setup()`` untimed before each)."""
+    times = []
+    for _ in range(max(1, reps)):
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+
+def row(case: str, impl: str, timing: dict, *, kind: str = "peer", **extra) -> dict:
+    return {"case": case, "impl": impl, "kind": kind, **timing, **extra}
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def format_table(rows: list[dict]) -> str:
+    """The side-by-side table: each case's rows, then shardkit's speed ratio to each."""
+    lines = []
+    header = f"{'case':<34} {'impl':<40} {'median':>9} {'min':>9} {'max':>9} {'GB/s':>7} {'peak mem':>10}  shardkit speed ×"
+    lines.append(header)
+    lines.append("-" * len(header))
+    for case in dict.fromkeys(r["case"] for r in rows):
+        group = [r for r in rows if r["case"] == case]
+        ours = next((r for r in group if r["impl"] == "shardkit"), None)
+        for r in group:
+            gbps = f"{r['bytes'] / r['median_s'] / 1e9:7.2f}" if r.get("bytes") and r["median_s"] > 0 else " " * 7
+            peak = _fmt_bytes(r["peak_bytes"]) if r.get("peak_bytes") is not None else ""
+            ratio = ""
+            if ours is not None and r is not ours and r["median_s"] > 0:
+                ratio = f"{r['median_s'] / ours['median_s']:.2f}  ({r.get('kind', 'peer')})"
+            lines.append(
+                f"{case:<34} {r['impl']:<40} {r['median_s']:9.4f} {r['min_s']:9.4f} {r['max_s']:9.4f} "
+                f"{gbps} {peak:>10}  {ratio}"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_json(rows: list[dict], path: str, **context) -> None:
+    with open(path, "w") as f:
+        json.dump({"context": context, "rows": rows}, f, indent=2)
