@@ -1,0 +1,351 @@
+"""Background checkpoint saves: stage on the caller's thread, write on another.
+
+:class:`AsyncCheckpointer` copies every tensor leaf of a state into CPU
+staging buffers (pinned host memory for CUDA tensors; non-blocking copies,
+then one synchronize per device) and returns a :class:`CheckpointFuture`
+at once; a background thread then writes the staged copy with
+:func:`shardkit.checkpoint.save_distributed`. The checkpoint therefore holds
+the values as they were when :meth:`AsyncCheckpointer.save_async` returned,
+however the caller changes the tensors afterwards.
+
+What it does not do: it does not run two saves at once (a second
+``save_async`` while one is in flight raises
+:class:`~shardkit.errors.AsyncCheckpointError`; call ``wait()`` first), it
+does not copy plain (non-tensor) leaves (they are immutable values; only the
+containers are rebuilt), and it does not retry a failed save.
+
+Staging buffers are kept between saves and reused when a leaf's shape,
+dtype and device kind are unchanged, so the second and later saves skip the
+allocation (for CUDA, the slow pinned allocation). That costs one CPU copy
+of the state for the checkpointer's lifetime; ``reuse_buffers=False`` or
+:meth:`AsyncCheckpointer.close` gives it back.
+
+Groups. With ``group=None`` no collective is issued (the seed's behaviour;
+rank 0 of 1 in a single process). With a group, the background thread runs
+the save's collectives while the caller keeps training, so they must not
+interleave with the caller's own collectives on the same group: two threads
+issuing collectives on one process group can pair up different operations
+across ranks and hang or corrupt both. By default (``dedicated_group=True``)
+the checkpointer therefore creates its own Gloo group over the same ranks,
+once, in the constructor (``torch.distributed.new_group(...,
+use_local_synchronization=True)``: every member rank must construct its
+checkpointer at the same point of the program, as it must anyway; ranks
+outside the group need not take part). Gloo is also what the save's
+collectives need, since they move CPU data, even when training uses NCCL.
+This needs a group that ``torch.distributed`` knows (the default group or
+one from ``new_group``). For a group it does not know, pass
+``dedicated_group=False`` and a group that nothing else uses while a save is
+in flight.
+
+Example::
+
+    ckpt = AsyncCheckpointer("/ckpt/step-0", rank, world_size, spec, group=dist.group.WORLD)
+    for step in range(steps):
+        train_step()
+        if step % 1000 == 0:
+            future = ckpt.save_async(model.state_dict(), dir=f"/ckpt/step-{step}")
+            # ... training goes on; the checkpoint holds the values of `step`
+    future.wait()          # raises AsyncCheckpointError if the write failed
+    ckpt.close()           # or: with AsyncCheckpointer(...) as ckpt: ...
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from shardkit.errors import AsyncCheckpointError, CheckpointError
+
+__all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]
+
+
+class AsyncWaitTimeout(CheckpointError, TimeoutError):
+    """``CheckpointFuture.wait(timeout)`` ran out of time; the save is still running.
+
+    Not an :class:`~shardkit.errors.AsyncCheckpointError`: nothing failed. The
+    future stays valid; call ``wait()`` again.
+    """
+
+
+def _save_staged(staged, dir, rank, world_size, shard_spec, group) -> None:
+    # Imported late: shardkit.checkpoint imports this module.
+    from shardkit.checkpoint import save_distributed
+
+    save_distributed(staged, dir, rank, world_size, shard_spec, group=group)
+
+
+class CheckpointFuture:
+    """The outcome of one background save: ``wait()`` for it, ``done()`` to poll.
+
+    ``wait()`` may be called any number of times, from any thread; after a
+    failure every call raises a new :class:`~shardkit.errors.AsyncCheckpointError`
+    chained to the same cause. It does not cancel the save.
+
+    Example::
+
+        future = ckpt.save_async(state)
+        ...
+        if future.done():
+            future.wait()   # returns at once, or raises the failure
+    """
+
+    def __init__(self, dir: str, description: str = "checkpoint save"):
+        self.dir = dir
+        self._description = description
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._started_s = time.monotonic()
+        self._finished_s: float | None = None
+        self._reported = False  # a failure already raised by wait(); close() does not repeat it
+
+    def done(self) -> bool:
+        """True once the background save has finished, successfully or not."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save finished; raise ``AsyncCheckpointError`` if it failed.
+
+        ``timeout`` (seconds): give up waiting after that long and raise
+        :class:`AsyncWaitTimeout` (a ``TimeoutError``); the save goes on.
+        """
+        if not self._finished.wait(timeout):
+            raise AsyncWaitTimeout(
+                f"the {self._description} to {self.dir} is still running after waiting "
+                f"{timeout} s (started {time.monotonic() - self._started_s:.1f} s ago); "
+                f"the future is still valid: call wait() again, with a longer or no timeout"
+            )
+        if self._error is not None:
+            self._reported = True
+            raise AsyncCheckpointError(
+                f"the {self._description} to {self.dir} failed: "
+                f"{type(self._error).__name__}: {self._error}. The checkpoint there is "
+                f"incomplete and will not load; earlier checkpoints are untouched. "
+                f"The checkpointer accepts a new save_async()."
+            ) from self._error
+
+    @property
+    def duration_s(self) -> float | None:
+        """Seconds from ``save_async`` to the end of the write, once done."""
+        return None if self._finished_s is None else self._finished_s - self._started_s
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._finished_s = time.monotonic()
+        self._finished.set()
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error else "done")
+        return f"CheckpointFuture(dir={self.dir!r}, {state})"
+
+
+class AsyncCheckpointer:
+    """Save distributed checkpoints in the background while training goes on.
+
+    ``dir``, ``rank``, ``world_size``, ``shard_spec`` and ``group`` mean what
+    they mean for :func:`~shardkit.checkpoint.save_distributed`; ``dir`` is the
+    default target of :meth:`save_async`. See the module docstring for what
+    it does not do and for how it treats ``group``.
+
+    Example::
+
+        with AsyncCheckpointer(path, rank, world_size, spec, group=group) as ckpt:
+            ckpt.save_async(state).wait()
+    """
+
+    def __init__(self, dir, rank: int, world_size: int, shard_spec, *, group=None,
+                 dedicated_group: bool = True, reuse_buffers: bool = True):
+        self.dir = os.fspath(dir)
+        self.rank = rank
+        self.world_size = world_size
+        self.shard_spec = shard_spec
+        self.reuse_buffers = reuse_buffers
+        self._user_group = group
+        self._own_group = None
+        if group is not None and dedicated_group:
+            self._own_group = _dedicated_gloo_group(group)
+        self.group = self._own_group if self._own_group is not None else group
+        self._lock = threading.Lock()
+        self._in_flight: CheckpointFuture | None = None
+        self._thread: threading.Thread | None = None
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._closed = False
+
+    def save_async(self, state_dict, *, dir=None) -> CheckpointFuture:
+        """Stage ``state_dict`` to CPU memory now, write it in the background; return its future.
+
+        Blocks only for the staging copy. Raises ``AsyncCheckpointError`` at once
+        if a save is still in flight, if the checkpointer is closed, or if
+        staging fails (e.g. out of host memory); nothing is written then.
+        """
+        target = self.dir if dir is None else os.fspath(dir)
+        future = self._claim(target)
+        try:
+            staged, self._buffers = _stage(state_dict, self._buffers if self.reuse_buffers else {})
+            if not self.reuse_buffers:
+                self._buffers = {}
+        except BaseException as e:
+            self._release(future)
+            raise AsyncCheckpointError(
+                f"staging the state for the save to {target} failed before anything was written: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        thread = threading.Thread(
+            target=self._run, args=(future, staged, target),
+            name=f"shardkit-async-save-rank{self.rank}",
+            # Not a daemon: a process that ends its main thread still finishes the save.
+            daemon=False,
+        )
+        self._thread = thread
+        try:
+            thread.start()
+        except BaseException as e:
+            self._release(future)
+            raise AsyncCheckpointError(f"could not start the background save thread: {e}") from e
+        return future
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight, if any (see :meth:`CheckpointFuture.wait`)."""
+        future = self._in_flight
+        if future is not None:
+            future.wait(timeout)
+
+    def close(self) -> None:
+        """Wait for the save in flight, free the staging buffers and the dedicated group.
+
+        Raises the last save's failure unless a ``wait()`` already raised it. Idempotent. A closed checkpointer refuses ``save_async``.
+        """
+        if self._closed:
+            return
+        try:
+            thread = self._thread
+            if thread is not None:
+                thread.join()
+            future = self._in_flight
+            if future is not None and not future._reported:
+                future.wait()
+        finally:
+            self._closed = True
+            self._buffers = {}
+            self._destroy_own_group()
+
+    def __enter__(self) -> "AsyncCheckpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Already failing: finish the save, but do not hide the first error.
+        try:
+            self.close()
+        except AsyncCheckpointError:
+            pass
+
+    # --- internals -----------------------------------------------------------
+
+    def _claim(self, target: str) -> CheckpointFuture:
+        with self._lock:
+            if self._closed:
+                raise AsyncCheckpointError("this AsyncCheckpointer is closed; create a new one to save again")
+            running = self._in_flight
+            if running is not None and not running.done():
+                raise AsyncCheckpointError(
+                    f"a checkpoint save to {running.dir} is still in flight; only one save runs at a "
+                    f"time. Call wait() on its future (or on the checkpointer) before save_async() "
+                    f"to {target}"
+                )
+            future = CheckpointFuture(target, f"background checkpoint save (rank {self.rank})")
+            self._in_flight = future
+            return future
+
+    def _release(self, future: CheckpointFuture) -> None:
+        with self._lock:
+            if self._in_flight is future:
+                self._in_flight = None
+
+    def _run(self, future: CheckpointFuture, staged, target: str) -> None:
+        error = None
+        try:
+            _save_staged(staged, target, self.rank, self.world_size, self.shard_spec, self.group)
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            error = e
+        finally:
+            del staged
+            # Last: once done() is true the staging buffers may be reused.
+            future._finish(error)
+
+    def _destroy_own_group(self) -> None:
+        group, self._own_group = self._own_group, None
+        if group is None:
+            return
+        import torch.distributed as dist
+
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - already gone with the default group
+            pass
+
+
+def _dedicated_gloo_group(group):
+    """A new Gloo group over ``group``'s ranks, for the background thread's collectives."""
+    import torch.distributed as dist
+
+    pg = getattr(group, "process_group", group)
+    try:
+        ranks = dist.get_process_group_ranks(pg)
+    except Exception as e:  # noqa: BLE001 - not a group torch.distributed registered
+        raise AsyncCheckpointError(
+            f"cannot create a dedicated Gloo group for background saves from {group!r}: "
+            f"torch.distributed does not know it ({type(e).__name__}: {e}). Pass "
+            f"dedicated_group=False with a group that nothing else uses while a save is in flight"
+        ) from e
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+
+
+# --- staging -------------------------------------------------------------------
+
+
+def _stage(state, buffers: dict[tuple, torch.Tensor]):
+    """Copy every tensor leaf of ``state`` into a CPU buffer; return (staged state, buffers used).
+
+    Containers are rebuilt (so later changes to the caller's dicts do not
+    leak in); plain leaves are shared, being immutable. Buffers from
+    ``buffers`` are reused when shape, dtype and pinning match.
+    """
+    used: dict[tuple, torch.Tensor] = {}
+    devices: set[torch.device] = set()
+
+    def copy_leaf(path: tuple, t: torch.Tensor) -> torch.Tensor:
+        src = t.detach()
+        pin = src.device.type == "cuda"
+        buf = buffers.get(path)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.is_pinned() != pin:
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+        if src.device.type == "cpu":
+            buf.copy_(src)
+        else:
+            buf.copy_(src, non_blocking=True)
+            devices.add(src.device)
+        used[path] = buf
+        return buf
+
+    staged = _map_leaves(state, (), copy_leaf)
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return staged, used
+
+
+def _map_leaves(node: Any, path: tuple, fn: Callable[[tuple, torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(node, torch.Tensor):
+        return fn(path, node)
+    if isinstance(node, dict):
+        return {k: _map_leaves(v, path + (k,), fn) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        items = [_map_leaves(v, path + (i,), fn) for i, v in enumerate(node)]
+        return items if isinstance(node, list) else tuple(items)
+    return node

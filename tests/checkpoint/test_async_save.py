@@ -1,0 +1,184 @@
+"""AsyncCheckpointer / CheckpointFuture: staging, one save in flight, failures, waits.
+
+The first half replaces the write with a fake (``_save_staged``) to pin down
+the future's semantics without disk I/O; the second half saves for real with
+``save_distributed`` and loads the result back.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from shardkit.checkpoint import async_save
+from shardkit.checkpoint.async_save import AsyncCheckpointer, AsyncWaitTimeout, CheckpointFuture
+from shardkit.errors import AsyncCheckpointError, CheckpointError
+
+
+class FakeSave:
+    """Records what the background thread was given; can block or fail on demand."""
+
+    def __init__(self):
+        self.calls = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_with: BaseException | None = None
+
+    def __call__(self, staged, dir, rank, world_size, shard_spec, group):
+        self.calls.append({"staged": staged, "dir": dir, "thread": threading.current_thread().name})
+        assert self.gate.wait(30)
+        if self.fail_with is not None:
+            raise self.fail_with
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = FakeSave()
+    monkeypatch.setattr(async_save, "_save_staged", f)
+    return f
+
+
+def _ckpt(tmp_path, **kw):
+    return AsyncCheckpointer(tmp_path / "ck", 0, 1, None, **kw)
+
+
+def test_save_returns_before_the_write_and_wait_completes_it(fake, tmp_path):
+    fake.gate.clear()
+    ckpt = _ckpt(tmp_path)
+    future = ckpt.save_async({"w": torch.ones(3)})
+    assert isinstance(future, CheckpointFuture)
+    assert not future.done()
+    fake.gate.set()
+    future.wait()
+    future.wait()  # idempotent
+    assert future.done()
+    assert fake.calls[0]["thread"].startswith("shardkit-async-save")
+    assert fake.calls[0]["dir"] == os.fspath(tmp_path / "ck")
+
+
+def test_second_save_while_in_flight_is_refused_with_advice(fake, tmp_path):
+    fake.gate.clear()
+    ckpt = _ckpt(tmp_path)
+    first = ckpt.save_async({"w": torch.ones(3)})
+    with pytest.raises(AsyncCheckpointError, match=r"still in flight.*wait\(\)"):
+        ckpt.save_async({"w": torch.ones(3)}, dir=tmp_path / "other")
+    fake.gate.set()
+    first.wait()
+    ckpt.save_async({"w": torch.ones(3)}, dir=tmp_path / "other").wait()
+    assert [c["dir"] for c in fake.calls] == [os.fspath(tmp_path / "ck"), os.fspath(tmp_path / "other")]
+
+
+def test_failure_is_raised_by_every_wait_chained_and_a_new_save_is_accepted(fake, tmp_path):
+    cause = OSError(28, "No space left on device")
+    fake.fail_with = cause
+    ckpt = _ckpt(tmp_path)
+    future = ckpt.save_async({"w": torch.ones(3)})
+    for _ in range(2):
+        with pytest.raises(AsyncCheckpointError, match="No space left") as info:
+            future.wait()
+        assert info.value.__cause__ is cause
+    assert future.done()
+    fake.fail_with = None
+    ckpt.save_async({"w": torch.ones(3)}).wait()
+    ckpt.close()  # the failure was already reported: close does not raise it again
+
+
+def test_wait_timeout_is_a_timeout_error_and_keeps_the_future(fake, tmp_path):
+    fake.gate.clear()
+    future = _ckpt(tmp_path).save_async({"w": torch.ones(3)})
+    with pytest.raises(TimeoutError, match="still running") as info:
+        future.wait(timeout=0.05)
+    assert isinstance(info.value, AsyncWaitTimeout) and isinstance(info.value, CheckpointError)
+    assert not isinstance(info.value, AsyncCheckpointError)  # nothing failed
+    fake.gate.set()
+    future.wait(timeout=30)
+    assert future.done() and future.duration_s is not None
+
+
+def test_staged_copy_is_a_snapshot_of_nested_state(fake, tmp_path):
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    nt = torch.arange(12, dtype=torch.int64).reshape(4, 3).t()  # non-contiguous
+    state = {"model": {"w": w, "nt": nt}, "optim": {"state": [{"m": w * 2, "step": 5}]}, "tag": "x", "n": None}
+    expect = {"w": w.clone(), "nt": nt.clone(), "m": w * 2}
+    ckpt = _ckpt(tmp_path)
+    future = ckpt.save_async(state)
+    w.add_(100)
+    nt.mul_(-1)
+    state["optim"]["state"][0]["m"].zero_()
+    state["model"]["w"] = torch.zeros(1)      # rebinding in the caller's dict does not leak in either
+    state["optim"]["state"].append("late")
+    future.wait()
+    staged = fake.calls[0]["staged"]
+    assert torch.equal(staged["model"]["w"], expect["w"])
+    assert torch.equal(staged["model"]["nt"], expect["nt"]) and staged["model"]["nt"].is_contiguous()
+    assert torch.equal(staged["optim"]["state"][0]["m"], expect["m"])
+    assert staged["optim"]["state"][0]["step"] == 5 and len(staged["optim"]["state"]) == 1
+    assert staged["tag"] == "x" and staged["n"] is None
+    assert staged["model"]["w"].data_ptr() != w.data_ptr()
+
+
+def test_staging_buffers_are_reused_when_shapes_match(fake, tmp_path):
+    ckpt = _ckpt(tmp_path)
+    state = {"a": torch.ones(64), "b": torch.ones(8, dtype=torch.bfloat16)}
+    ckpt.save_async(state).wait()
+    first = {k: t.data_ptr() for k, t in fake.calls[0]["staged"].items()}
+    state["a"].fill_(2)
+    state["b"] = torch.ones(9, dtype=torch.bfloat16)  # new shape: new buffer
+    ckpt.save_async(state).wait()
+    second = fake.calls[1]["staged"]
+    assert second["a"].data_ptr() == first["a"] and torch.equal(second["a"], torch.full((64,), 2.0))
+    assert second["b"].shape == (9,)
+
+
+def test_without_reuse_every_save_gets_fresh_buffers(fake, tmp_path):
+    ckpt = _ckpt(tmp_path, reuse_buffers=False)
+    state = {"a": torch.ones(1 << 16)}
+    ckpt.save_async(state).wait()
+    ptr = fake.calls[0]["staged"]["a"].data_ptr()
+    fake.calls.clear()  # drop the reference so the allocator may free it
+    assert ckpt._buffers == {}
+    ckpt.save_async(state).wait()
+    assert torch.equal(fake.calls[0]["staged"]["a"], state["a"])
+    del ptr
+
+
+def test_staging_failure_raises_at_once_and_frees_the_slot(fake, tmp_path, monkeypatch):
+    ckpt = _ckpt(tmp_path)
+
+    def boom(state, buffers):
+        raise MemoryError("host memory exhausted")
+
+    monkeypatch.setattr(async_save, "_stage", boom)
+    with pytest.raises(AsyncCheckpointError, match="staging.*host memory exhausted"):
+        ckpt.save_async({"w": torch.ones(2)})
+    monkeypatch.undo()
+    monkeypatch.setattr(async_save, "_save_staged", fake)
+    ckpt.save_async({"w": torch.ones(2)}).wait()
+    assert len(fake.calls) == 1
+
+
+def test_close_and_context_manager_wait_for_the_save(fake, tmp_path):
+    fake.gate.clear()
+    with _ckpt(tmp_path) as ckpt:
+        future = ckpt.save_async({"w": torch.ones(2)})
+        threading.Timer(0.1, fake.gate.set).start()
+    assert future.done()
+    with pytest.raises(AsyncCheckpointError, match="closed"):
+        ckpt.save_async({"w": torch.ones(2)})
+    ckpt.close()  # idempotent
+
+
+def test_close_raises_an_unreported_failure(fake, tmp_path):
+    fake.fail_with = RuntimeError("disk went away")
+    ckpt = _ckpt(tmp_path)
+    ckpt.save_async({"w": torch.ones(2)})
+    with pytest.raises(AsyncCheckpointError, match="disk went away"):
+        ckpt.close()
+
+
+def test_a_group_unknown_to_torch_distributed_is_refused_with_advice(tmp_path):
+    with pytest.raises(AsyncCheckpointError, match="dedicated_group=False"):
+        AsyncCheckpointer(tmp_path, 0, 1, None, group=object())
