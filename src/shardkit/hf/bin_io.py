@@ -1,0 +1,89 @@
+"""PyTorch ``.bin`` shards: write with ``torch.save``, read only with ``torch.load(weights_only=True)``.
+
+A ``.bin`` file is a pickle. shardkit never unpickles one with the full
+unpickler: a file that asks for anything but tensors and plain containers
+(a pickle that carries code) is refused with ``MetadataError`` and nothing in
+it runs. Prefer safetensors; this exists to read and write checkpoints that
+other tools expect as ``.bin``.
+
+Example::
+
+    write_bin_shard(store, path, {"w": w})
+    tensors = read_bin_shard(store, path)      # {"w": tensor}
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+
+import torch
+
+from shardkit.errors import MetadataError, MissingShardError
+from shardkit.storage import LocalStorage, Storage
+
+__all__ = ["write_bin_shard", "read_bin_shard", "bin_looks_complete"]
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    # torch.save writes whole storages; a view of a larger one would drag it all along.
+    t = t.detach().cpu().contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
+def write_bin_shard(storage: Storage, path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``tensors`` as a ``torch.save`` zip file at ``path``, atomically."""
+    with storage.atomic_writer(path) as f:
+        torch.save({n: _own_storage(t) for n, t in tensors.items()}, f)
+
+
+def read_bin_shard(storage: Storage, path: str) -> dict[str, torch.Tensor]:
+    """All tensors in the ``.bin`` file at ``path``, on CPU, via the restricted unpickler.
+
+    Raises ``MetadataError`` for a file that is not a tensor dict or that
+    holds anything the weights-only unpickler refuses.
+    """
+    if not storage.exists(path):
+        raise MissingShardError(f"{path} does not exist; the checkpoint is incomplete or was moved")
+    if isinstance(storage, LocalStorage):
+        source = path
+    else:
+        with storage.open_reader(path) as reader:
+            source = io.BytesIO(reader.read(0, reader.size_bytes))
+    try:
+        obj = torch.load(source, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ValueError) as e:
+        raise MetadataError(
+            f"{path} was refused by torch.load(weights_only=True): it holds objects other than "
+            f"tensors and plain containers (possibly code), or it is corrupt. shardkit never runs "
+            f"the full unpickler. If you trust the file, convert it yourself; otherwise delete it. "
+            f"({type(e).__name__}: {str(e)[:300]})"
+        ) from e
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
+        raise MetadataError(
+            f"{path} holds a {type(obj).__name__}, not a dict of name -> tensor; it is not a "
+            f"PyTorch weights shard"
+        )
+    return obj
+
+
+def bin_looks_complete(storage: Storage, path: str) -> bool:
+    """True if ``path`` is a ``torch.save`` zip whose central directory reads back intact.
+
+    Unpickles nothing and reads only the zip directory on local files. A
+    legacy (non-zip) ``.bin`` counts when it is not empty.
+    """
+    try:
+        with storage.open_reader(path) as reader:
+            if reader.size_bytes == 0:
+                return False
+            if reader.read(0, 2) != b"PK":
+                return True
+            source = path if isinstance(storage, LocalStorage) else io.BytesIO(reader.read(0, reader.size_bytes))
+        with zipfile.ZipFile(source) as z:
+            return len(z.namelist()) > 0
+    except (OSError, EOFError, zipfile.BadZipFile, MissingShardError):
+        return False

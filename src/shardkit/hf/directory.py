@@ -1,0 +1,230 @@
+"""A directory of checkpoints: which are complete, which is latest, which to delete.
+
+Layout: ``<model_dir>/checkpoints/checkpoint-<id>/``, each one checkpoint in
+either Hugging Face layout (or a shardkit distributed checkpoint). Only a
+**complete** checkpoint is valid, latest, or counted: its index (written last)
+is present and every file it names exists with a readable header whose
+tensors fit the file. "Latest" is the highest numeric id when checkpoints
+have one, else the newest index modification time. This module never
+loads tensors.
+
+Example::
+
+    path = next_checkpoint_path("run", 1200)           # run/checkpoints/checkpoint-1200
+    save_checkpoint(path, model, safetensors=True)
+    maybe_delete_oldest_checkpoint("run", max_checkpoints=3, best_checkpoint=best)
+    latest = find_latest_checkpoint("run")
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import List, Optional
+
+from shardkit.errors import MetadataError, MissingShardError
+from shardkit.hf.bin_io import bin_looks_complete
+from shardkit.hf.index import (
+    BIN_INDEX_NAME,
+    BIN_WEIGHTS_NAME,
+    SAFE_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    load_shard_index,
+)
+from shardkit.hf.shard_io import shard_header
+from shardkit.storage import storage_for
+
+__all__ = [
+    "CheckpointMeta",
+    "CHECKPOINTS_DIR",
+    "DISTRIBUTED_METADATA_NAME",
+    "get_checkpoint_metadata",
+    "validate_checkpoint",
+    "checkpoint_problems",
+    "find_latest_checkpoint",
+    "list_checkpoints",
+    "next_checkpoint_path",
+    "maybe_delete_oldest_checkpoint",
+]
+
+CHECKPOINTS_DIR = "checkpoints"
+DISTRIBUTED_METADATA_NAME = "metadata.json"
+_ID_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What kind of checkpoint a directory holds.
+
+    ``file_name`` is the index (or single weights file); ``distributed`` is
+    True for a shardkit distributed checkpoint (``metadata.json``).
+    """
+
+    file_name: str
+    is_index: bool
+    safetensors: bool
+    distributed: bool = False
+
+
+_CANDIDATES = (
+    CheckpointMeta(SAFE_INDEX_NAME, True, True),
+    CheckpointMeta(SAFE_WEIGHTS_NAME, False, True),
+    CheckpointMeta(BIN_INDEX_NAME, True, False),
+    CheckpointMeta(BIN_WEIGHTS_NAME, False, False),
+    CheckpointMeta(DISTRIBUTED_METADATA_NAME, True, True, distributed=True),
+)
+
+
+def get_checkpoint_metadata(path: str) -> Optional[CheckpointMeta]:
+    """The layout of the checkpoint in ``path``, or None when there is none.
+
+    Looks only at which files exist; :func:`validate_checkpoint` checks them.
+    """
+    store, root = storage_for(path)
+    for meta in _CANDIDATES:
+        if store.exists(store.join(root, meta.file_name)):
+            return meta
+    return None
+
+
+def validate_checkpoint(checkpoint_path: str) -> bool:
+    """True if ``checkpoint_path`` holds a complete checkpoint.
+
+    Every file the index names must exist and have a readable header whose
+    tensors fit within the file (``.bin``: an intact zip directory), and
+    every tensor the index places in a file must be in its header. Never
+    raises for a bad checkpoint; see :func:`checkpoint_problems` for why.
+    """
+    return not checkpoint_problems(checkpoint_path)
+
+
+def checkpoint_problems(checkpoint_path: str) -> List[str]:
+    """Why ``checkpoint_path`` is not a complete checkpoint (``[]`` when it is)."""
+    try:
+        if not os.path.isdir(checkpoint_path) and "://" not in checkpoint_path:
+            return [f"{checkpoint_path} is not a directory"]
+        meta = get_checkpoint_metadata(checkpoint_path)
+        if meta is None:
+            return [f"{checkpoint_path} has no index, weights file or metadata.json"]
+        if meta.distributed:
+            return _distributed_problems(checkpoint_path)
+        if not meta.is_index:
+            return _file_problems(checkpoint_path, meta.file_name, None, meta.safetensors)
+        index = load_shard_index(checkpoint_path, meta.file_name)
+        by_file: dict[str, list[str]] = {}
+        for name, file_name in index["weight_map"].items():
+            by_file.setdefault(file_name, []).append(name)
+        problems: List[str] = []
+        for file_name, names in by_file.items():
+            problems += _file_problems(checkpoint_path, file_name, names, meta.safetensors)
+        return problems
+    except (MetadataError, MissingShardError, OSError, ValueError) as e:
+        return [f"{checkpoint_path}: {e}"]
+
+
+def _file_problems(root: str, file_name: str, names: Optional[list], safetensors: bool) -> List[str]:
+    store, base = storage_for(root)
+    path = store.join(base, file_name)
+    if not store.exists(path):
+        return [f"{path} is missing"]
+    if not safetensors:
+        return [] if bin_looks_complete(store, path) else [f"{path} is truncated or not a torch.save file"]
+    header = shard_header(store, path)
+    data_end = max((t.end for t in header.tensors.values()), default=header.data_start)
+    problems = []
+    if store.size_bytes(path) != data_end:
+        problems.append(f"{path} is {store.size_bytes(path)} bytes, its header describes {data_end}")
+    absent = [n for n in names or [] if n not in header.tensors]
+    if absent:
+        problems.append(f"{path} lacks {len(absent)} tensors the index places there, e.g. {absent[:3]}")
+    return problems
+
+
+def _distributed_problems(path: str) -> List[str]:
+    try:
+        from shardkit.checkpoint import validate_distributed
+    except ImportError:
+        return [f"{path} looks like a distributed checkpoint, but shardkit.checkpoint is not available"]
+    report = validate_distributed(path)
+    return [] if report.ok else list(report.problems) or [f"{path} is not a complete distributed checkpoint"]
+
+
+def _checkpoint_id(path: str) -> Optional[int]:
+    match = _ID_RE.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def _commit_time(path: str) -> float:
+    meta = get_checkpoint_metadata(path)
+    target = os.path.join(path, meta.file_name) if meta else path
+    return os.path.getmtime(target)
+
+
+def list_checkpoints(model_dir: str) -> List[str]:
+    """Complete checkpoints under ``model_dir/checkpoints``, oldest first.
+
+    Ordered by numeric id (``checkpoint-<id>``) where there is one; those
+    without an id come first, by index modification time. Incomplete ones
+    (a save that never finished) are not listed.
+    """
+    parent = os.path.join(model_dir, CHECKPOINTS_DIR)
+    if not os.path.isdir(parent):
+        return []
+    paths = [os.path.join(parent, n) for n in sorted(os.listdir(parent))]
+    valid = [p for p in paths if os.path.isdir(p) and validate_checkpoint(p)]
+    return sorted(valid, key=_order_key)
+
+
+def _order_key(path: str) -> tuple:
+    ckpt_id = _checkpoint_id(path)
+    return (ckpt_id is not None, ckpt_id if ckpt_id is not None else 0, _commit_time(path))
+
+
+def find_latest_checkpoint(model_dir: str) -> Optional[str]:
+    """The newest complete checkpoint under ``model_dir/checkpoints``, or None.
+
+    A checkpoint whose save was interrupted is never returned.
+    """
+    found = list_checkpoints(model_dir)
+    return found[-1] if found else None
+
+
+def next_checkpoint_path(model_dir: str, checkpoint_id) -> str:
+    """``model_dir/checkpoints/checkpoint-<checkpoint_id>`` (not created)."""
+    return os.path.join(model_dir, CHECKPOINTS_DIR, f"checkpoint-{checkpoint_id}")
+
+
+def maybe_delete_oldest_checkpoint(
+    model_dir: str,
+    max_checkpoints: int,
+    best_checkpoint: Optional[str] = None,
+    preserved_checkpoints: Optional[List[str]] = None,
+) -> None:
+    """Delete the oldest complete checkpoints until at most ``max_checkpoints`` remain.
+
+    Never deletes ``best_checkpoint`` or any of ``preserved_checkpoints``
+    (they still count toward the limit), and never touches incomplete
+    checkpoints (a save may be in progress). Each deletion removes the index
+    first, so a crash mid-delete leaves an incomplete, ignored directory.
+    """
+    if max_checkpoints < 0:
+        raise ValueError(f"max_checkpoints must be >= 0, got {max_checkpoints}")
+    keep = {os.path.realpath(p) for p in [best_checkpoint, *(preserved_checkpoints or [])] if p}
+    existing = list_checkpoints(model_dir)
+    excess = len(existing) - max_checkpoints
+    for path in existing:
+        if excess <= 0:
+            break
+        if os.path.realpath(path) in keep:
+            continue
+        _delete_checkpoint(path)
+        excess -= 1
+
+
+def _delete_checkpoint(path: str) -> None:
+    meta = get_checkpoint_metadata(path)
+    if meta is not None:
+        os.remove(os.path.join(path, meta.file_name))
+    shutil.rmtree(path)

@@ -1,0 +1,226 @@
+"""The shard index: plan which tensor goes to which file, and read/write the index JSON.
+
+An index is ``{"metadata": {"total_size": N, ...}, "weight_map": {name: file}}``,
+the layout ``transformers`` writes (FORMAT.md section 2). Tied parameters are
+recorded as ``metadata["param_sharing"]``: groups of names whose first name is
+the one stored. Planning here is pure (names and byte counts in, names out);
+reading an index checks every file name before anything else is opened.
+This module does not write tensor files.
+
+Example::
+
+    index = make_shard_index([model.state_dict()], safetensors=True, max_shard_size=2**30)
+    save_shard_index(index, "out", index_file_name(True))
+    assert load_shard_index("out", index_file_name(True)) == index
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional, Sequence, Union
+
+from torch import Tensor
+from torch.nn import Module
+
+from shardkit import knobs
+from shardkit.errors import MetadataError
+from shardkit.hf.sharing import alias_to_source, find_shared_groups
+from shardkit.storage import check_relative_name, storage_for
+
+__all__ = [
+    "StateDictLike",
+    "ShardIndex",
+    "SharingMetadataT",
+    "SAFE_INDEX_NAME",
+    "BIN_INDEX_NAME",
+    "SAFE_WEIGHTS_NAME",
+    "BIN_WEIGHTS_NAME",
+    "index_file_name",
+    "shard_file_name",
+    "plan_shards",
+    "make_shard_index",
+    "save_shard_index",
+    "load_shard_index",
+    "check_index",
+    "sharing_of",
+]
+
+StateDictLike = Union[Module, Dict[str, Tensor]]
+ShardIndex = Dict[str, Dict[str, str]]
+SharingMetadataT = List[List[str]]
+
+SAFE_INDEX_NAME = "model.safetensors.index.json"
+BIN_INDEX_NAME = "pytorch_model.bin.index.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+BIN_WEIGHTS_NAME = "pytorch_model.bin"
+
+
+def index_file_name(safetensors: bool) -> str:
+    """``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``."""
+    return SAFE_INDEX_NAME if safetensors else BIN_INDEX_NAME
+
+
+def shard_file_name(number: int, count: int, safetensors: bool) -> str:
+    """The Hugging Face name of shard ``number`` (1-based) of ``count``."""
+    stem, ext = ("model", "safetensors") if safetensors else ("pytorch_model", "bin")
+    return f"{stem}-{number:05d}-of-{count:05d}.{ext}"
+
+
+def suffix_for(safetensors: bool) -> tuple[str, ...]:
+    return (".safetensors",) if safetensors else (".bin",)
+
+
+def plan_shards(name_bytes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Cut ``(name, nbytes)`` pairs, in order, into shards of at most ``max_shard_bytes``.
+
+    A shard goes over the limit only when it holds a single tensor that alone
+    does. Pure: no tensors, no files.
+
+    >>> plan_shards([("a", 6), ("b", 6), ("c", 20), ("d", 1)], 10)
+    [['a'], ['b'], ['c'], ['d']]
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_bytes}")
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for name, nbytes in name_bytes:
+        if current and current_bytes + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def sharing_of(index: ShardIndex) -> SharingMetadataT:
+    """The ``param_sharing`` groups recorded in ``index`` (``[]`` when none)."""
+    return list(index.get("metadata", {}).get("param_sharing", []) or [])
+
+
+def make_shard_index(
+    state_dictionaries: List[Dict[str, Tensor]],
+    metadata: Optional[Dict] = None,
+    safetensors: bool = False,
+    max_shard_size: int = 2**32,
+    param_sharing_metadata: Optional[List[List[str]]] = None,
+) -> ShardIndex:
+    """Build the index for one or more state dicts; each gets its own shard files.
+
+    Names tied to an earlier name (``param_sharing_metadata``, or detected
+    from tensors that alias the same memory when it is ``None``) are left out
+    of the weight map and recorded as ``metadata["param_sharing"]``. Writes
+    nothing.
+
+    Example::
+
+        index = make_shard_index([sd_rank0, sd_rank1], safetensors=True)
+    """
+    sharing = _sharing_for(state_dictionaries, param_sharing_metadata)
+    skip = set(alias_to_source(sharing))
+    plans = [
+        plan_shards([(n, _nbytes(t)) for n, t in sd.items() if n not in skip], max_shard_size)
+        for sd in state_dictionaries
+    ]
+    count = sum(len(p) for p in plans)
+    weight_map: dict[str, str] = {}
+    number = 0
+    for plan in plans:
+        for names in plan:
+            number += 1
+            weight_map.update(dict.fromkeys(names, shard_file_name(number, count, safetensors)))
+    sizes = {n: _nbytes(t) for sd in state_dictionaries for n, t in sd.items()}
+    meta = {"total_size": sum(sizes[n] for n in weight_map), **(metadata or {})}
+    if sharing:
+        meta["param_sharing"] = sharing
+    return {"metadata": meta, "weight_map": weight_map}
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _sharing_for(state_dictionaries, explicit) -> SharingMetadataT:
+    if explicit is not None:
+        present = {n for sd in state_dictionaries for n in sd}
+        return [list(g) for g in explicit if len([n for n in g if n in present]) > 1]
+    groups: SharingMetadataT = []
+    for sd in state_dictionaries:
+        groups.extend(find_shared_groups(list(sd.items())))
+    return groups
+
+
+def save_shard_index(shard_index: ShardIndex, output_dir: str, index_name: str) -> None:
+    """Write ``shard_index`` as ``output_dir/index_name``, atomically.
+
+    Write the index only after every shard it names is complete: its
+    appearance is what makes the checkpoint count.
+    """
+    check_index(shard_index, index_name)
+    store, root = storage_for(output_dir)
+    store.makedirs(root)
+    data = json.dumps(shard_index, indent=2, sort_keys=False).encode("utf-8")
+    with store.atomic_writer(store.join(root, index_name)) as f:
+        f.write(data)
+
+
+def load_shard_index(output_dir: str, index_name: str) -> ShardIndex:
+    """Read and check ``output_dir/index_name``.
+
+    Refuses (``MetadataError``) an index over ``knobs.MAX_INDEX_BYTES``, one
+    that is not JSON of the expected shape, and any file name that is
+    absolute, has a ``..`` part or the wrong extension -- before any shard is
+    opened. Does not open the shards.
+    """
+    check_relative_name(index_name, (".index.json",), source="index file name")
+    store, root = storage_for(output_dir)
+    path = store.join(root, index_name)
+    raw = store.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES)
+    try:
+        index = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MetadataError(
+            f"{path} is not valid JSON ({e}); a shard index is "
+            f'{{"metadata": {{...}}, "weight_map": {{name: file}}}}. Re-save the checkpoint.'
+        ) from e
+    check_index(index, index_name, source=path)
+    return index
+
+
+def check_index(index: object, index_name: str, *, source: str = "index") -> None:
+    """Raise ``MetadataError`` unless ``index`` has the shape of a shard index with safe file names."""
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        raise MetadataError(
+            f"{source}: expected an object with a 'weight_map' object, found "
+            f"{type(index).__name__} with keys {sorted(index)[:5] if isinstance(index, dict) else '-'}"
+        )
+    meta = index.get("metadata", {})
+    if not isinstance(meta, dict):
+        raise MetadataError(f"{source}: 'metadata' must be an object, found {type(meta).__name__}")
+    suffixes = suffix_for(".safetensors" in index_name)
+    for name, file_name in index["weight_map"].items():
+        if not isinstance(name, str):
+            raise MetadataError(f"{source}: weight_map key {name!r} is not a string")
+        check_relative_name(file_name, suffixes, source=source)
+    _check_sharing(meta.get("param_sharing", []), source)
+
+
+def _check_sharing(groups: object, source: str) -> None:
+    ok = isinstance(groups, list) and all(
+        isinstance(g, list) and len(g) >= 2 and all(isinstance(n, str) for n in g) for g in groups
+    )
+    if not ok:
+        raise MetadataError(
+            f"{source}: metadata.param_sharing must be a list of groups of two or more names, "
+            f"found {str(groups)[:200]}"
+        )
+
+
+def files_to_names(weight_map: Dict[str, str], names) -> dict[str, list[str]]:
+    """Group ``names`` by the file that holds them, files in first-seen order."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        out.setdefault(weight_map[name], []).append(name)
+    return out

@@ -1,0 +1,208 @@
+"""Load a Hugging Face checkpoint (sharded or single file, safetensors or ``.bin``).
+
+Module mode fills an ``nn.Module``: each tensor is read from the file straight
+into the parameter's memory when it is a CPU tensor of the same dtype and
+shape (no intermediate copy), then tied parameters are tied again. Dict mode
+returns ``{name: tensor}``. ``keys=`` opens only the shards that hold those
+keys. ``.bin`` files go through ``torch.load(weights_only=True)`` only. This
+module does not save, and does not choose among checkpoints in a directory.
+
+Example::
+
+    load_checkpoint("out/model", model)                           # module mode
+    sd = load_checkpoint("out/model", None, keys={"lm_head.weight"})  # dict mode
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Set, Union
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+
+from shardkit.dtypes import from_safetensors_name
+from shardkit.errors import MissingShardError, TensorMismatchError
+from shardkit.hf.bin_io import read_bin_shard
+from shardkit.hf.index import (
+    ShardIndex,
+    alias_to_source,
+    files_to_names,
+    load_shard_index,
+    sharing_of,
+)
+from shardkit.hf.shard_io import read_shard, shard_header
+from shardkit.hf.sharing import retie_parameters
+from shardkit.storage import storage_for
+
+__all__ = ["load_checkpoint", "load_sharded_checkpoint"]
+
+
+def load_checkpoint(
+    model_dir: str,
+    module: Optional[Module] = None,
+    device: str = "cpu",
+    strict: bool = True,
+    assign: bool = False,
+    keys: Optional[Set[str]] = None,
+) -> Union[None, Dict[str, Tensor]]:
+    """Load the checkpoint in ``model_dir``, whatever its Hugging Face layout.
+
+    Finds, in this order, ``model.safetensors.index.json``, ``model.safetensors``,
+    ``pytorch_model.bin.index.json``, ``pytorch_model.bin``. With a module,
+    loads into it and returns None; with ``module=None`` returns the tensors
+    (only ``keys`` if given). Raises ``MissingShardError`` if none is there.
+    """
+    from shardkit.hf.directory import get_checkpoint_metadata
+
+    meta = get_checkpoint_metadata(model_dir)
+    if meta is None:
+        raise MissingShardError(
+            f"{model_dir} holds no Hugging Face checkpoint: looked for model.safetensors.index.json, "
+            f"model.safetensors, pytorch_model.bin.index.json and pytorch_model.bin. Check the path, "
+            f"or find a complete checkpoint with find_latest_checkpoint()."
+        )
+    if meta.is_index:
+        index = load_shard_index(model_dir, meta.file_name)
+    else:
+        index = _single_file_index(model_dir, meta.file_name, meta.safetensors)
+    result = load_sharded_checkpoint(
+        model_dir, index, module, device=device, safetensors=meta.safetensors, strict=strict,
+        assign=assign, keys=keys,
+    )
+    return result if module is None else None
+
+
+def _single_file_index(model_dir: str, file_name: str, safetensors: bool) -> ShardIndex:
+    store, root = storage_for(model_dir)
+    path = store.join(root, file_name)
+    if safetensors:
+        names = list(shard_header(store, path).tensors)
+    else:
+        names = list(read_bin_shard(store, path))
+    return {"metadata": {}, "weight_map": dict.fromkeys(names, file_name)}
+
+
+def load_sharded_checkpoint(
+    model_dir: str,
+    shard_index: ShardIndex,
+    module: Optional[Module] = None,
+    device: str = "cpu",
+    safetensors: bool = False,
+    strict: bool = True,
+    assign: bool = False,
+    debug: bool = False,
+    keys: Optional[Set[str]] = None,
+) -> Union[Set[str], Dict[str, Tensor]]:
+    """Load the tensors ``shard_index`` describes from ``model_dir``.
+
+    Module mode returns the set of the module's keys the checkpoint did not
+    provide (with ``strict=True``, missing or unexpected keys raise
+    ``TensorMismatchError`` before any shard is read). Dict mode returns
+    ``{name: tensor}`` on ``device``, tied names sharing one tensor.
+    """
+    weight_map = shard_index["weight_map"]
+    aliases = {a: s for a, s in alias_to_source(sharing_of(shard_index)).items() if s in weight_map}
+    if module is None:
+        return _load_dict(model_dir, weight_map, aliases, device, safetensors, keys, debug)
+    return _load_module(model_dir, shard_index, aliases, module, device, safetensors, strict, assign, debug)
+
+
+def _load_dict(model_dir, weight_map, aliases, device, safetensors, keys, debug) -> Dict[str, Tensor]:
+    wanted = list(weight_map) + list(aliases) if keys is None else list(keys)
+    unknown = [k for k in wanted if k not in weight_map and k not in aliases]
+    if unknown:
+        raise TensorMismatchError(
+            f"keys {sorted(unknown)[:10]} are not in the checkpoint in {model_dir} "
+            f"({len(weight_map)} tensors); check the names (e.g. {list(weight_map)[:3]})"
+        )
+    sources = list(dict.fromkeys(aliases.get(k, k) for k in wanted))
+    loaded = _read_files(model_dir, weight_map, sources, safetensors, debug)
+    if torch.device(device).type != "cpu":
+        loaded = {n: t.to(device) for n, t in loaded.items()}
+    return {k: loaded[aliases.get(k, k)] for k in wanted}
+
+
+def _read_files(model_dir, weight_map, names, safetensors, debug, targets=None) -> Dict[str, Tensor]:
+    """Read ``names`` file by file; into ``targets[name]`` where given, else fresh CPU tensors."""
+    store, root = storage_for(model_dir)
+    out: Dict[str, Tensor] = {}
+    for file_name, in_file in files_to_names(weight_map, names).items():
+        path = store.join(root, file_name)
+        if debug:
+            print(f"shardkit.hf: reading {len(in_file)} tensors from {path}")
+        if not store.exists(path):
+            raise MissingShardError(
+                f"the index names {file_name}, which is not in {model_dir}; the checkpoint is "
+                f"incomplete (validate_checkpoint reports it) -- load an earlier one"
+            )
+        if safetensors:
+            out.update(_read_safetensors(store, path, in_file, targets or {}))
+        else:
+            out.update(_read_bin(path, store, in_file))
+    return out
+
+
+def _read_safetensors(store, path, names, targets) -> Dict[str, Tensor]:
+    def buffer_for(name, entry):
+        target = targets.get(name)
+        if target is not None and _fits(target, entry):
+            return target.detach()  # read straight into the module's memory
+        return torch.empty(entry.shape, dtype=from_safetensors_name(entry.dtype))
+
+    return read_shard(store, path, names, buffer_for)
+
+
+def _fits(target: Tensor, entry) -> bool:
+    return (
+        target.device.type == "cpu"
+        and target.is_contiguous()
+        and tuple(target.shape) == tuple(entry.shape)
+        and target.dtype == from_safetensors_name(entry.dtype)
+    )
+
+
+def _read_bin(path, store, names) -> Dict[str, Tensor]:
+    tensors = read_bin_shard(store, path)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise MissingShardError(f"the index places {missing[:5]} in {path}, but the file does not hold them")
+    return {n: tensors[n] for n in names}
+
+
+def _load_module(model_dir, shard_index, aliases, module, device, safetensors, strict, assign, debug) -> Set[str]:
+    weight_map = shard_index["weight_map"]
+    own = module.state_dict(keep_vars=True)
+    provided = set(weight_map) | set(aliases)
+    missing = {k for k in own if k not in provided}
+    unexpected = sorted(k for k in weight_map if k not in own)
+    if strict and (missing or unexpected):
+        raise TensorMismatchError(
+            f"the checkpoint in {model_dir} does not match the module: missing {sorted(missing)[:10]} "
+            f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)}). Load the right "
+            f"checkpoint, or pass strict=False to load what matches."
+        )
+    names = [k for k in weight_map if k in own]
+    targets = {} if assign else {n: own[n] for n in names}
+    with torch.no_grad():
+        loaded = _read_files(model_dir, weight_map, names, safetensors, debug, targets)
+        _install(module, own, loaded, device, assign)
+    groups = [g for g in sharing_of(shard_index) if all(n in own for n in g)]
+    retie_parameters(module, groups)
+    return missing
+
+
+def _install(module: Module, own: Dict[str, Tensor], loaded: Dict[str, Tensor], device, assign: bool) -> None:
+    """Put tensors that were not read in place into the module."""
+    rest = {n: t for n, t in loaded.items() if assign or t.data_ptr() != own[n].data_ptr()}
+    if not rest:
+        return
+    for name, t in rest.items():
+        if tuple(t.shape) != tuple(own[name].shape):
+            raise TensorMismatchError(
+                f"tensor {name!r} has shape {list(t.shape)} in the checkpoint, {list(own[name].shape)} "
+                f"in the module; the checkpoint is for a different model configuration"
+            )
+    if assign:
+        rest = {n: t.to(device) for n, t in rest.items()}
+    module.load_state_dict(rest, strict=False, assign=assign)

@@ -1,0 +1,58 @@
+"""Evaluation metrics stored beside a checkpoint (``eval_metrics.json``).
+
+Written atomically, read back with a size limit; a checkpoint without
+metrics is normal (``None``). This module does not pick a best checkpoint.
+
+Example::
+
+    save_checkpoint_metrics(path, {"eval_loss": 1.93})
+    load_checkpoint_metrics(path)        # {"eval_loss": 1.93}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Dict, Optional
+
+from shardkit import knobs
+from shardkit.errors import MetadataError
+from shardkit.storage import storage_for
+
+__all__ = ["METRICS_FILE_NAME", "save_checkpoint_metrics", "load_checkpoint_metrics"]
+
+METRICS_FILE_NAME = "eval_metrics.json"
+
+
+def save_checkpoint_metrics(checkpoint_path: str, metrics: Dict[str, float]) -> None:
+    """Write ``metrics`` (name -> number) to ``checkpoint_path/eval_metrics.json``, atomically."""
+    bad = {k: v for k, v in metrics.items() if not isinstance(k, str) or not _is_number(v)}
+    if bad:
+        raise MetadataError(
+            f"metrics must map names to numbers; these do not: {dict(list(bad.items())[:5])}. "
+            f"Convert tensors with .item()."
+        )
+    store, root = storage_for(checkpoint_path)
+    data = json.dumps({k: float(v) for k, v in metrics.items()}, indent=2).encode()
+    with store.atomic_writer(store.join(root, METRICS_FILE_NAME)) as f:
+        f.write(data)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(float(v))
+
+
+def load_checkpoint_metrics(checkpoint_path: str) -> Optional[Dict[str, float]]:
+    """The metrics saved with ``checkpoint_path``, or None if there are none."""
+    store, root = storage_for(checkpoint_path)
+    path = store.join(root, METRICS_FILE_NAME)
+    if not store.exists(path):
+        return None
+    raw = store.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES)
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MetadataError(f"{path} is not valid JSON ({e}); delete it or save the metrics again") from e
+    if not isinstance(obj, dict):
+        raise MetadataError(f"{path} holds a {type(obj).__name__}, expected an object of name -> number")
+    return obj

@@ -1,0 +1,152 @@
+"""Save a module or a state dict as a Hugging Face sharded checkpoint.
+
+Order is what makes a save safe to interrupt: an existing index is removed
+first (the directory stops counting as a checkpoint), then stale shards, then
+each new shard is written whole-or-not-at-all, and the index is written last.
+Tied parameters are stored once and recorded as ``param_sharing``. This
+module does not load, and does not manage a directory of checkpoints.
+
+Example::
+
+    save_checkpoint("out/model", model, safetensors=True)           # module mode
+    save_checkpoint("out/sd", {"w": torch.ones(3)}, safetensors=True)  # dict mode
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Optional
+
+from torch import Tensor
+from torch.nn import Module
+
+from shardkit.errors import TensorMismatchError
+from shardkit.hf.bin_io import write_bin_shard
+from shardkit.hf.index import (
+    BIN_INDEX_NAME,
+    SAFE_INDEX_NAME,
+    ShardIndex,
+    SharingMetadataT,
+    StateDictLike,
+    alias_to_source,
+    files_to_names,
+    index_file_name,
+    make_shard_index,
+    save_shard_index,
+    sharing_of,
+)
+from shardkit.hf.shard_io import write_shard
+from shardkit.hf.sharing import create_sharing_metadata
+from shardkit.storage import storage_for
+
+__all__ = ["save_checkpoint", "save_sharded_checkpoint", "state_dict_of"]
+
+_SHARD_RE = re.compile(r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)$")
+
+
+def state_dict_of(module: StateDictLike) -> Dict[str, Tensor]:
+    """``module.state_dict()`` for a module; a checked copy of the mapping for a dict."""
+    sd = module.state_dict() if isinstance(module, Module) else dict(module)
+    for name, value in sd.items():
+        if not isinstance(name, str) or not isinstance(value, Tensor):
+            raise TensorMismatchError(
+                f"state dict entry {name!r} is a {type(value).__name__}; only str -> torch.Tensor "
+                f"entries can be saved in a Hugging Face checkpoint. Move other values to `metadata`."
+            )
+    return sd
+
+
+def save_checkpoint(
+    output_dir: str,
+    module: StateDictLike,
+    metadata: Optional[Dict] = None,
+    safetensors: bool = False,
+    max_shard_size: int = 2**31,
+    debug: bool = False,
+    include_param_sharing: bool = True,
+    param_sharing_metadata: Optional[SharingMetadataT] = None,
+) -> None:
+    """Write ``module`` (an ``nn.Module`` or a name -> tensor dict) to ``output_dir``.
+
+    Always writes an index (``model.safetensors.index.json`` or
+    ``pytorch_model.bin.index.json``) and ``model-0000i-of-0000n`` shards of at
+    most ``max_shard_size`` bytes (more only when one tensor alone is larger).
+    Tied parameters are found automatically unless ``param_sharing_metadata``
+    is given or ``include_param_sharing`` is False (then every name is
+    written separately). Does not save optimizer state or configs.
+    """
+    sd = state_dict_of(module)
+    sharing = _sharing(module, include_param_sharing, param_sharing_metadata)
+    index = make_shard_index([sd], metadata, safetensors, max_shard_size, sharing)
+    store, root = storage_for(output_dir)
+    store.makedirs(root)
+    _remove_previous(store, root)
+    save_sharded_checkpoint(output_dir, index, sd, safetensors=safetensors, debug=debug)
+    save_shard_index(index, output_dir, index_file_name(safetensors))
+
+
+def _sharing(module, include: bool, explicit: Optional[SharingMetadataT]) -> Optional[SharingMetadataT]:
+    if explicit is not None:
+        return explicit
+    if not include:
+        return []
+    return create_sharing_metadata(module) if isinstance(module, Module) else None
+
+
+def _remove_previous(store, root: str) -> None:
+    # Index first: from this moment the directory is not a checkpoint, never a mix of two.
+    for name in (SAFE_INDEX_NAME, BIN_INDEX_NAME):
+        path = store.join(root, name)
+        if store.exists(path):
+            store.remove(path)
+    for name in store.listdir(root):
+        if _SHARD_RE.match(name):
+            store.remove(store.join(root, name))
+
+
+def save_sharded_checkpoint(
+    output_dir: str,
+    shard_index: ShardIndex,
+    module: StateDictLike,
+    safetensors: bool = False,
+    debug: bool = False,
+) -> None:
+    """Write the shard files of ``shard_index`` whose tensors ``module`` holds.
+
+    For one rank of many: files whose tensors are all elsewhere are skipped;
+    a file whose tensors are split between this state and another raises
+    ``TensorMismatchError`` (it would be written incomplete). Does not write
+    the index: call :func:`save_shard_index` once every rank is done.
+    """
+    sd = state_dict_of(module)
+    weight_map = shard_index["weight_map"]
+    aliases = alias_to_source(sharing_of(shard_index))
+    unknown = [n for n in sd if n not in weight_map and n not in aliases]
+    if unknown:
+        raise TensorMismatchError(
+            f"{len(unknown)} tensors are not in the shard index (e.g. {unknown[:5]}); they would be "
+            f"lost. Build the index from this state (make_shard_index) or drop them first."
+        )
+    store, root = storage_for(output_dir)
+    store.makedirs(root)
+    for file_name, names in files_to_names(weight_map, weight_map).items():
+        held = [n for n in names if n in sd]
+        if not held:
+            continue
+        if len(held) != len(names):
+            missing = [n for n in names if n not in sd]
+            raise TensorMismatchError(
+                f"shard {file_name} needs {len(names)} tensors, this state holds {len(held)} "
+                f"(missing e.g. {missing[:5]}); every shard must be written by one rank. Build the "
+                f"index with one state dict per rank so each rank gets its own files."
+            )
+        _write_file(store, store.join(root, file_name), {n: sd[n] for n in names}, safetensors, debug)
+
+
+def _write_file(store, path: str, tensors: Dict[str, Tensor], safetensors: bool, debug: bool) -> None:
+    if debug:
+        print(f"shardkit.hf: writing {len(tensors)} tensors to {path}")
+    if safetensors:
+        write_shard(store, path, list(tensors.items()), {"format": "pt"})
+    else:
+        write_bin_shard(store, path, tensors)

@@ -1,0 +1,100 @@
+"""Tied parameters: find names that share memory, and tie them again after a load.
+
+safetensors cannot hold two names over one storage, so shardkit stores the
+first name of each group once and records the groups (``param_sharing``) in
+the index metadata. This module finds the groups and reties a module; it
+reads and writes no files.
+
+Example::
+
+    groups = create_sharing_metadata(model)   # [["model.embed_tokens.weight", "lm_head.weight"]]
+    retie_parameters(fresh_model, groups)     # lm_head.weight is embed_tokens.weight again
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from torch import Tensor
+from torch.nn import Module
+
+from shardkit.errors import TensorMismatchError
+
+__all__ = ["create_sharing_metadata", "retie_parameters", "find_shared_groups", "alias_to_source"]
+
+
+def _identity(tensor: Tensor) -> tuple:
+    # Meta tensors all report data_ptr 0; only the same object counts as shared there.
+    if tensor.device.type == "meta" or tensor.numel() == 0:
+        return ("object", id(tensor))
+    storage = tensor.untyped_storage()
+    return (tensor.device, storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tuple(tensor.stride()), tensor.dtype)
+
+
+def find_shared_groups(named_tensors: list[tuple[str, Tensor]]) -> List[List[str]]:
+    """Groups (in first-seen order) of names whose tensors are the same view of the same memory.
+
+    Tensors that merely overlap (a slice of another) are not grouped; they
+    are written as separate copies.
+    """
+    by_identity: dict[tuple, list[str]] = {}
+    for name, tensor in named_tensors:
+        by_identity.setdefault(_identity(tensor), []).append(name)
+    return [names for names in by_identity.values() if len(names) > 1]
+
+
+def create_sharing_metadata(model: Module) -> List[List[str]]:
+    """The groups of parameter/buffer names of ``model`` that share one tensor.
+
+    Only names in ``model.state_dict()`` are reported. Example: a GPT-2 with
+    tied embeddings gives ``[["transformer.wte.weight", "lm_head.weight"]]``.
+    """
+    state_names = set(model.state_dict().keys())
+    named = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if n in state_names]
+    named += [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in state_names]
+    return find_shared_groups(named)
+
+
+def alias_to_source(sharing_metadata: List[List[str]]) -> dict[str, str]:
+    """``{alias: stored_name}``: every name of a group but the first maps to the first."""
+    return {alias: group[0] for group in sharing_metadata for alias in group[1:]}
+
+
+def retie_parameters(module: Module, sharing_metadata: List[List[str]]) -> None:
+    """Make every name of each group refer to the group's first parameter (or buffer) again.
+
+    Does not copy values: after this, writing one name writes them all.
+    Names the module does not have raise ``TensorMismatchError``.
+    """
+    for group in sharing_metadata:
+        source = _lookup(module, group[0])
+        for alias in group[1:]:
+            owner, attr = _owner(module, alias)
+            if isinstance(getattr(owner, attr, None), Tensor) and attr in owner._buffers:
+                owner._buffers[attr] = source
+            else:
+                setattr(owner, attr, source)
+
+
+def _owner(module: Module, name: str) -> tuple[Module, str]:
+    path, _, attr = name.rpartition(".")
+    try:
+        owner = module.get_submodule(path) if path else module
+    except AttributeError as e:
+        raise TensorMismatchError(
+            f"param_sharing names {name!r}, but the module has no submodule {path!r}; "
+            f"the checkpoint belongs to a different model"
+        ) from e
+    return owner, attr
+
+
+def _lookup(module: Module, name: str) -> Tensor:
+    owner, attr = _owner(module, name)
+    tensor = getattr(owner, attr, None)
+    if not isinstance(tensor, Tensor):
+        raise TensorMismatchError(
+            f"param_sharing names {name!r}, but the module has no parameter or buffer by that name; "
+            f"the checkpoint belongs to a different model"
+        )
+    return tensor
