@@ -24,3 +24,7 @@ MAX_INDEX_BYTES: int = 10 * 1024 * 1024
 
 #: Threads used to read or write files in parallel inside one process.
 IO_THREADS: int = 4
+
+#: Whether checkpoint loads verify the checksum of every block they read
+#: (``verify=None`` in ``shardkit.checkpoint`` loads means this value).
+VERIFY_ON_LOAD: bool = True

@@ -1,0 +1,41 @@
+"""Distributed checkpoints: every rank writes its shard; any world size loads them.
+
+The contract (ARCHITECTURE.md): :func:`save_distributed`,
+:func:`load_distributed` (reshards when the world size differs),
+:func:`reshard`, :func:`load_region`, :func:`load_consolidated`,
+:func:`validate_distributed`, :func:`compute_shard_sizes`,
+:func:`flat_shard_metadata`, the spec types, and the background
+:class:`AsyncCheckpointer`. The on-disk format is FORMAT.md section 1.
+
+Example::
+
+    from shardkit.checkpoint import ShardMetadata, TensorShardSpec, save_distributed, load_distributed
+
+    spec = ShardMetadata(4, {"w": TensorShardSpec((4096, 1024), 0, (1024,) * 4)})
+    save_distributed({"w": my_slice, "step": 7}, "/ckpt/step-7", rank, 4, spec, group=pg)
+    state = load_distributed("/ckpt/step-7", rank, 3)        # on 3 ranks
+"""
+
+from shardkit.checkpoint.load import load_consolidated, load_distributed, load_region, read_metadata, reshard
+from shardkit.checkpoint.save import save_distributed
+from shardkit.checkpoint.spec import ShardMetadata, TensorShardSpec, flat_shard_metadata
+from shardkit.checkpoint.validate import ValidationReport, validate_distributed
+from shardkit.layout import compute_shard_sizes
+from shardkit.checkpoint.async_save import AsyncCheckpointer, CheckpointFuture
+
+__all__ = [
+    "TensorShardSpec",
+    "ShardMetadata",
+    "compute_shard_sizes",
+    "flat_shard_metadata",
+    "save_distributed",
+    "load_distributed",
+    "reshard",
+    "load_region",
+    "load_consolidated",
+    "read_metadata",
+    "validate_distributed",
+    "ValidationReport",
+    "AsyncCheckpointer",
+    "CheckpointFuture",
+]

@@ -1,0 +1,163 @@
+"""Carry out a load plan: open each needed data file once, check it, read the planned bytes.
+
+Direct pieces (contiguous in the file and in the output) are read straight
+into the output tensors: no extra copy. Other pieces go through a scratch
+buffer of at most ``knobs.IO_CHUNK_BYTES`` and are copied out with a
+strided view. Reads of independent jobs run on ``knobs.IO_THREADS``
+threads. A rank's extra memory is therefore a few scratch buffers, never a
+whole tensor or file. This module does not decide what to read (``plan.py``).
+
+Example::
+
+    with OpenFiles(storage, directory, records, verify=True) as files:
+        out = run_loads(files, plans, dtype_of)
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from shardkit import knobs
+from shardkit.dtypes import from_safetensors_name, to_safetensors_name
+from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError, TensorMismatchError
+from shardkit.checkpoint.plan import ChunkRead, TensorLoad
+from shardkit.storage import FileRecord, Reader, SafetensorsHeader, Storage, byte_view, read_header, read_ranges
+
+__all__ = ["OpenFiles", "run_loads"]
+
+#: Direct reads are cut into jobs of about this size so threads can share one big file.
+_JOB_BYTES = 64 * 1024 * 1024
+
+
+class OpenFiles:
+    """Data files opened on demand, each checked once: size vs record, then its header."""
+
+    def __init__(self, storage: Storage, directory: str, records: dict[str, FileRecord], *, verify: bool):
+        self.storage, self.directory, self.records, self.verify = storage, directory, records, verify
+        self._open: dict[str, tuple[Reader, SafetensorsHeader]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, file: str) -> tuple[Reader, SafetensorsHeader, FileRecord | None]:
+        with self._lock:
+            if file not in self._open:
+                self._open[file] = self._open_one(file)
+            reader, header = self._open[file]
+        return reader, header, self.records.get(file) if self.verify else None
+
+    def _open_one(self, file: str) -> tuple[Reader, SafetensorsHeader]:
+        path = self.storage.join(self.directory, file)
+        try:
+            reader = self.storage.open_reader(path)
+        except MissingShardError as e:
+            raise MissingShardError(
+                f"{path} is missing: the checkpoint names this data file but it is not there; the "
+                f"save never finished or the file was deleted. Load an earlier checkpoint.") from e
+        try:
+            record = self.records.get(file)
+            if record is not None and reader.size_bytes != record.bytes:
+                raise IncompleteCheckpointError(
+                    f"{path} is {reader.size_bytes} bytes, the manifest records {record.bytes}; the file "
+                    f"is {'truncated' if reader.size_bytes < record.bytes else 'not the one saved'}")
+            header = read_header(reader)
+            if record is not None and self.verify:
+                # The header steers every read: verify its bytes too, not just tensor data.
+                read_ranges(reader, [(0, memoryview(bytearray(header.data_start)))], record)
+            return reader, header
+        except BaseException:
+            reader.close()
+            raise
+
+    def close(self) -> None:
+        for reader, _ in self._open.values():
+            reader.close()
+        self._open.clear()
+
+    def __enter__(self) -> "OpenFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str], torch.dtype]) -> dict[str, torch.Tensor]:
+    """Allocate every output tensor and fill it as planned; returns them by name."""
+    outputs = {p.name: torch.empty(p.out_shape, dtype=dtype_of(p.name)) for p in plans}
+    jobs: list[Callable[[], None]] = []
+    direct: dict[str, list[tuple[int, memoryview]]] = {}
+    for plan in plans:
+        out = outputs[plan.name]
+        for chunk in plan.reads:
+            entry_begin = _check_entry(files, plan.name, chunk, out.dtype)
+            itemsize = out.element_size()
+            for piece in chunk.pieces:
+                if piece.direct:
+                    view = byte_view(out)[piece.dst_start * itemsize:(piece.dst_start + piece.src_numel) * itemsize]
+                    direct.setdefault(chunk.file, []).append((entry_begin + piece.src_start * itemsize, view))
+            scattered = [p for p in chunk.pieces if not p.direct]
+            if scattered:
+                jobs.append(lambda f=chunk.file, b=entry_begin, ps=scattered, o=out: _read_scattered(files, f, b, ps, o))
+    for file, reads in direct.items():
+        for batch in _batches(reads):
+            jobs.append(lambda f=file, rs=batch: _read_direct(files, f, rs))
+    _run(jobs)
+    return outputs
+
+
+def _check_entry(files: OpenFiles, name: str, chunk: ChunkRead, dtype: torch.dtype) -> int:
+    _, header, _ = files.get(chunk.file)
+    entry = header.tensors.get(name)
+    if entry is None:
+        raise MetadataError(f"{chunk.file} has no tensor {name!r}, but the checkpoint metadata places a "
+                            f"chunk of it there; the file does not belong to this checkpoint")
+    if from_safetensors_name(entry.dtype) != dtype:
+        raise TensorMismatchError(f"tensor {name!r} in {chunk.file} is {entry.dtype}, the metadata says "
+                                  f"{to_safetensors_name(dtype)}; the file does not belong to this checkpoint")
+    if tuple(entry.shape) != tuple(chunk.chunk_shape):
+        raise TensorMismatchError(f"tensor {name!r} in {chunk.file} has shape {list(entry.shape)}, the "
+                                  f"metadata gives this chunk {list(chunk.chunk_shape)}")
+    return entry.begin
+
+
+def _batches(reads: list[tuple[int, memoryview]]):
+    """Cut direct reads into jobs of about _JOB_BYTES, splitting big ones, for the threads."""
+    batch, size = [], 0
+    for offset, view in reads:
+        for start in range(0, len(view), _JOB_BYTES):
+            part = view[start:start + _JOB_BYTES]
+            batch.append((offset + start, part))
+            size += len(part)
+            if size >= _JOB_BYTES:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _read_direct(files: OpenFiles, file: str, reads: list[tuple[int, memoryview]]) -> None:
+    reader, _, record = files.get(file)
+    read_ranges(reader, reads, record)
+
+
+def _read_scattered(files: OpenFiles, file: str, entry_begin: int, pieces, out: torch.Tensor) -> None:
+    reader, _, record = files.get(file)
+    itemsize = out.element_size()
+    for piece in pieces:
+        scratch = torch.empty(piece.src_numel, dtype=out.dtype)
+        read_ranges(reader, [(entry_begin + piece.src_start * itemsize, byte_view(scratch))], record)
+        target = out.as_strided(piece.sizes, piece.dst_strides, out.storage_offset() + piece.dst_start)
+        target.copy_(scratch.as_strided(piece.sizes, piece.src_strides, 0))
+
+
+def _run(jobs: list[Callable[[], None]]) -> None:
+    threads = max(1, min(knobs.IO_THREADS, len(jobs)))
+    if threads == 1:
+        for job in jobs:
+            job()
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="shardkit-load") as pool:
+        for future in [pool.submit(job) for job in jobs]:
+            future.result()

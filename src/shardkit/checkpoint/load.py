@@ -1,0 +1,154 @@
+"""Loading: one rank's slices on any world size, any box, or the whole state.
+
+Every function reads ``metadata.json`` (and, where needed, the per-rank
+manifests), plans the byte ranges that overlap what is wanted
+(``plan.py``) and reads only those (``execute.py``). Nothing is loaded
+whole unless it is asked for whole.
+
+**Verification**: with ``verify=True`` every checksum block a load touches
+is hashed and compared with the saved record (a corrupt byte raises
+:class:`ChecksumError`). ``verify=None`` means ``knobs.VERIFY_ON_LOAD``
+(default True). Seed-format directories have no checksums; their sizes are
+still checked against the headers.
+
+Example::
+
+    state = load_distributed("/ckpt/step-10", rank=1, world_size=3)   # saved on 4 ranks
+    block = load_region("/ckpt/step-10", "layers.0.w", (0, 128), (16, 64))
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from shardkit import knobs
+from shardkit.checkpoint.execute import OpenFiles, run_loads
+from shardkit.checkpoint.manifest import Manifest, file_records, read_manifest
+from shardkit.checkpoint.nested import select_names, unflatten
+from shardkit.checkpoint.plan import plan_load, saved_chunks, wanted_box
+from shardkit.checkpoint.spec import check_world
+from shardkit.dtypes import from_safetensors_name
+from shardkit.errors import MetadataError, TensorMismatchError
+from shardkit.layout import Box, whole_box
+from shardkit.storage import storage_for
+
+__all__ = ["load_distributed", "reshard", "load_region", "load_consolidated", "read_metadata"]
+
+
+def read_metadata(dir) -> Manifest:
+    """The parsed ``metadata.json`` of a checkpoint directory (no data is read)."""
+    storage, directory = storage_for(dir)
+    return read_manifest(storage, directory)
+
+
+def load_distributed(dir, rank, world_size, *, keys=None, device="cpu", verify=None) -> dict:
+    """This rank's part of the checkpoint, as the nested state that was saved.
+
+    Sharded tensors come back as this rank's slice: the saved slice when
+    ``world_size`` equals the saving world size, else the
+    ``compute_shard_sizes`` split of the same dimension (resharding).
+    Replicated tensors come back whole, plain leaves as saved. ``keys``
+    (dotted names or prefixes) restricts what is read. It does not load the
+    other ranks' bytes. Seed-format directories come back as a flat dict.
+
+    >>> load_distributed("/ckpt/step-10", rank=0, world_size=3)["model"]["w"].shape
+    """
+    check_world(rank, world_size)
+    storage, directory = storage_for(dir)
+    m = read_manifest(storage, directory)
+    names = select_names(list(m.tensors) + list(m.objects), keys)
+    want = {n: wanted_box(m.tensors[n], m.num_ranks, rank, world_size) for n in names if n in m.tensors}
+    tensors = _load_boxes(storage, directory, m, want, verify)
+    leaves = {**{n: m.objects[n] for n in names if n in m.objects}, **_to_device(tensors, device)}
+    return unflatten(m.structure, leaves, keep=set(names) if keys is not None else None)
+
+
+def reshard(dir, old_world_size, new_world_size, new_rank, *, verify=None) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint saved on ``old_world_size`` ranks, as ``new_rank`` of ``new_world_size`` holds it.
+
+    Returns a flat ``{dotted name: tensor}`` dict (no plain leaves: use
+    :func:`load_distributed` for the nested state). Reads only overlapping bytes.
+
+    >>> reshard("/ckpt/step-10", 4, 3, 0)["layers.0.w"].shape
+    """
+    check_world(new_rank, new_world_size, what="new_rank")
+    storage, directory = storage_for(dir)
+    m = read_manifest(storage, directory)
+    if old_world_size != m.num_ranks:
+        raise MetadataError(f"old_world_size is {old_world_size}, but {directory} was saved by "
+                            f"{m.num_ranks} ranks (metadata.json num_ranks); pass {m.num_ranks}")
+    want = {n: wanted_box(t, m.num_ranks, new_rank, new_world_size) for n, t in m.tensors.items()}
+    return _load_boxes(storage, directory, m, want, verify)
+
+
+def load_region(dir, name, offsets: Sequence[int], sizes: Sequence[int], *, verify=None) -> torch.Tensor:
+    """The box ``offsets``/``sizes`` of the saved tensor ``name`` (any box, across any chunks).
+
+    Equals ``full[o0:o0+s0, o1:o1+s1, ...]`` without building ``full``.
+
+    >>> load_region("/ckpt/step-10", "emb", (100, 0), (8, 1024)).shape
+    torch.Size([8, 1024])
+    """
+    storage, directory = storage_for(dir)
+    m = read_manifest(storage, directory)
+    if name not in m.tensors:
+        raise TensorMismatchError(f"{directory} has no tensor {name!r}; it holds: "
+                                  f"{', '.join(sorted(m.tensors)[:8]) or 'none'}")
+    box = _check_box(name, m.tensors[name].spec.full_shape, offsets, sizes)
+    return _load_boxes(storage, directory, m, {name: box}, verify)[name]
+
+
+def load_consolidated(dir, *, keys=None, verify=None) -> dict:
+    """The full, unsharded state (nested as saved): every tensor whole. Memory: the whole state.
+
+    >>> load_consolidated("/ckpt/step-10")["model"]["w"].shape     # the full shape
+    """
+    storage, directory = storage_for(dir)
+    m = read_manifest(storage, directory)
+    names = select_names(list(m.tensors) + list(m.objects), keys)
+    want = {n: whole_box(m.tensors[n].spec.full_shape) for n in names if n in m.tensors}
+    tensors = _load_boxes(storage, directory, m, want, verify)
+    leaves = {**{n: m.objects[n] for n in names if n in m.objects}, **tensors}
+    return unflatten(m.structure, leaves, keep=set(names) if keys is not None else None)
+
+
+def _check_box(name: str, full_shape: tuple[int, ...], offsets, sizes) -> Box:
+    offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+    if len(offsets) != len(full_shape) or len(sizes) != len(full_shape):
+        raise TensorMismatchError(f"tensor {name!r} has {len(full_shape)} dimensions (full shape "
+                                  f"{list(full_shape)}); got {len(offsets)} offsets and {len(sizes)} sizes")
+    for d, (o, s, n) in enumerate(zip(offsets, sizes, full_shape)):
+        if o < 0 or s < 0 or o + s > n:
+            raise TensorMismatchError(f"box offsets {list(offsets)} sizes {list(sizes)} leaves tensor "
+                                      f"{name!r} of full shape {list(full_shape)} in dimension {d}")
+    return Box(offsets, sizes)
+
+
+def _load_boxes(storage, directory: str, m: Manifest, want: dict[str, Box], verify) -> dict[str, torch.Tensor]:
+    verify = knobs.VERIFY_ON_LOAD if verify is None else bool(verify)
+    records = file_records(storage, directory, m)
+    with OpenFiles(storage, directory, records, verify=verify) as files:
+        dtypes = {n: _dtype(files, m, n) for n in want}
+        plans = plan_load(m.tensors, want, lambda n: max(1, knobs.IO_CHUNK_BYTES // dtypes[n].itemsize))
+        return run_loads(files, plans, dtypes.__getitem__)
+
+
+def _dtype(files: OpenFiles, m: Manifest, name: str) -> torch.dtype:
+    saved = m.tensors[name]
+    if saved.dtype is not None:
+        return from_safetensors_name(saved.dtype)
+    # Seed format: the dtype lives only in the headers (F32 or F64).
+    for file, _ in saved_chunks(saved):
+        entry = files.get(file)[1].tensors.get(name)
+        if entry is not None:
+            return from_safetensors_name(entry.dtype)
+    raise MetadataError(f"no data file holds tensor {name!r}, which metadata.json describes")
+
+
+def _to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensors
+    return {n: t.to(device) for n, t in tensors.items()}

@@ -1,0 +1,239 @@
+"""``metadata.json`` and the per-rank manifests: write, read, check the version.
+
+Files of a checkpoint directory (FORMAT.md section 1):
+
+- ``rank_<r>.safetensors``: rank r's data file;
+- ``rank_<r>.json``: rank r's manifest, written atomically after its data
+  file, holding that file's :class:`~shardkit.storage.FileRecord`;
+- ``metadata.json``: the global description, written last by rank 0.
+
+**Completeness rule**: a checkpoint is complete when ``metadata.json``
+exists and, for every rank r, the record of ``rank_<r>.safetensors`` is
+known (from ``metadata.json``'s ``files`` or from ``rank_<r>.json``) and the
+file exists with that size. With a process group rank 0 gathers every record
+into ``metadata.json``; without one, it can only record its own, and the
+other ranks' manifests complete the picture. A seed-format (ferrotorch 0.4)
+directory has no records at all: its completeness is checked against the
+safetensors headers instead. This module reads and writes JSON only.
+
+Example::
+
+    manifest = read_manifest(storage, "/ckpt/step-100")
+    records = file_records(storage, "/ckpt/step-100", manifest)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardkit import knobs
+from shardkit.checkpoint.spec import TensorShardSpec, check_spec
+from shardkit.dtypes import NAME_TO_DTYPE
+from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
+from shardkit.storage import FileRecord, Storage, check_relative_name
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "SUPPORTED_VERSIONS",
+    "METADATA_FILE",
+    "SavedTensor",
+    "Manifest",
+    "data_file_name",
+    "rank_manifest_name",
+    "manifest_to_json",
+    "parse_manifest",
+    "read_manifest",
+    "rank_manifest_json",
+    "file_records",
+    "write_json",
+]
+
+FORMAT = "shardkit.distributed"
+RANK_FORMAT = "shardkit.distributed.rank"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+METADATA_FILE = "metadata.json"
+
+
+def data_file_name(rank: int) -> str:
+    return f"rank_{rank}.safetensors"
+
+
+def rank_manifest_name(rank: int) -> str:
+    return f"rank_{rank}.json"
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """A saved tensor: its layout, dtype name (None in seed format: read the header) and owner."""
+
+    spec: TensorShardSpec
+    dtype: str | None
+    owner_rank: int | None = None
+
+
+@dataclass
+class Manifest:
+    """The parsed ``metadata.json``; ``format_version`` is None for a seed-format directory."""
+
+    format_version: int | None
+    num_ranks: int
+    tensors: dict[str, SavedTensor]
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict)
+    structure: Any = None
+    user_metadata: dict = field(default_factory=dict)
+
+
+def manifest_to_json(m: Manifest) -> dict:
+    specs = {}
+    for name, t in m.tensors.items():
+        entry = {"full_shape": list(t.spec.full_shape), "shard_dim": t.spec.shard_dim,
+                 "shard_sizes": list(t.spec.shard_sizes), "dtype": t.dtype}
+        if t.owner_rank is not None:
+            entry["owner_rank"] = t.owner_rank
+        specs[name] = entry
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "num_ranks": m.num_ranks,
+        "tensor_specs": specs, "files": {f: r.to_json() for f, r in sorted(m.files.items())},
+        "objects": m.objects, "structure": m.structure, "user_metadata": m.user_metadata,
+    }
+
+
+def write_json(storage: Storage, path: str, obj: Any) -> None:
+    """Publish ``obj`` as JSON at ``path`` atomically (invariant 1)."""
+    data = json.dumps(obj, indent=1, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    with storage.atomic_writer(path) as f:
+        f.write(data)
+
+
+def read_manifest(storage: Storage, directory: str) -> Manifest:
+    """Read and check ``<directory>/metadata.json``.
+
+    A missing directory raises :class:`MissingShardError`; a directory
+    without ``metadata.json`` raises :class:`IncompleteCheckpointError`;
+    anything malformed or of an unknown version raises :class:`MetadataError`.
+    """
+    if not storage.exists(directory):
+        raise MissingShardError(f"checkpoint directory {directory} does not exist")
+    path = storage.join(directory, METADATA_FILE)
+    if not storage.exists(path):
+        raise IncompleteCheckpointError(
+            f"{directory} has no {METADATA_FILE}: the save never finished (or this is not a "
+            f"shardkit checkpoint). Load an earlier checkpoint."
+        )
+    return parse_manifest(path, storage.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES))
+
+
+def parse_manifest(source: str, data: bytes) -> Manifest:
+    """Parse the bytes of a ``metadata.json`` (``source`` names it in errors)."""
+    obj = _load_json(source, data)
+    version = _check_version(source, obj, FORMAT)
+    try:
+        num_ranks = obj["num_ranks"]
+        raw_specs = obj["tensor_specs"]
+        if not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or num_ranks < 1:
+            raise ValueError(f"num_ranks is {num_ranks!r}, expected an integer >= 1")
+        if not isinstance(raw_specs, dict):
+            raise ValueError("tensor_specs is not an object")
+        tensors = {name: _saved_tensor(source, name, raw, num_ranks, version) for name, raw in raw_specs.items()}
+        files = {check_relative_name(f, (".safetensors",), source=source): FileRecord.from_json(f, r)
+                 for f, r in (obj.get("files") or {}).items()}
+        objects = obj.get("objects") or {}
+        user_metadata = obj.get("user_metadata") or {}
+        if not isinstance(objects, dict) or not isinstance(user_metadata, dict):
+            raise ValueError("objects and user_metadata must be objects")
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, MetadataError):
+            raise
+        raise MetadataError(f"{source} is malformed: {e!r}; it is corrupt or not a shardkit checkpoint") from e
+    return Manifest(version, num_ranks, tensors, files, objects, obj.get("structure"), user_metadata)
+
+
+def _load_json(source: str, data: bytes) -> Any:
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MetadataError(f"{source} is not valid JSON ({e}); the file is corrupt or was cut short") from e
+    if not isinstance(obj, dict):
+        raise MetadataError(f"{source} holds a JSON {type(obj).__name__}, expected an object")
+    return obj
+
+
+def _check_version(source: str, obj: dict, expected_format: str) -> int | None:
+    if "format" not in obj and "format_version" not in obj:
+        return None  # the seed's format: num_ranks + tensor_specs only
+    if obj.get("format") != expected_format:
+        raise MetadataError(f"{source} has format {obj.get('format')!r}, expected {expected_format!r}")
+    version = obj.get("format_version")
+    if version not in SUPPORTED_VERSIONS:
+        raise MetadataError(
+            f"{source} has format_version {version!r}; this shardkit supports "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}. Upgrade shardkit to read it."
+        )
+    return version
+
+
+def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int | None) -> SavedTensor:
+    spec = TensorShardSpec(tuple(raw["full_shape"]), raw["shard_dim"], tuple(raw.get("shard_sizes") or ()))
+    check_spec(name, spec, num_ranks, source=source)
+    dtype = raw.get("dtype")
+    if version is not None and dtype not in NAME_TO_DTYPE:
+        raise MetadataError(f"{source}: tensor {name!r} has dtype {dtype!r}; known: {', '.join(NAME_TO_DTYPE)}")
+    owner = raw.get("owner_rank")
+    if spec.shard_dim is None:
+        if version is None:
+            raise MetadataError(f"{source}: tensor {name!r} is replicated, which the seed format cannot express")
+        if not isinstance(owner, int) or not 0 <= owner < num_ranks:
+            raise MetadataError(
+                f"{source}: replicated tensor {name!r} has owner_rank {owner!r}; expected 0..{num_ranks - 1}")
+    return SavedTensor(spec, dtype, owner if spec.shard_dim is None else None)
+
+
+def rank_manifest_json(rank: int, num_ranks: int, records: dict[str, FileRecord]) -> dict:
+    return {"format": RANK_FORMAT, "format_version": FORMAT_VERSION, "rank": rank, "num_ranks": num_ranks,
+            "files": {f: r.to_json() for f, r in records.items()}}
+
+
+def read_rank_manifest(storage: Storage, directory: str, rank: int, num_ranks: int) -> dict[str, FileRecord]:
+    """The records in ``rank_<rank>.json``, checked against the rank and world it claims."""
+    path = storage.join(directory, rank_manifest_name(rank))
+    obj = _load_json(path, storage.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES))
+    _check_version(path, obj, RANK_FORMAT)
+    if obj.get("rank") != rank or obj.get("num_ranks") != num_ranks:
+        raise IncompleteCheckpointError(
+            f"{path} belongs to rank {obj.get('rank')!r} of {obj.get('num_ranks')!r}, expected rank {rank} "
+            f"of {num_ranks}: it is left over from another save into the same directory"
+        )
+    try:
+        return {check_relative_name(f, (".safetensors",), source=path): FileRecord.from_json(f, r)
+                for f, r in obj["files"].items()}
+    except (KeyError, AttributeError, TypeError) as e:
+        raise MetadataError(f"{path} is malformed ({e!r})") from e
+
+
+def file_records(storage: Storage, directory: str, m: Manifest) -> dict[str, FileRecord]:
+    """The record of every rank's data file, by file name ({} for a seed-format directory).
+
+    Raises :class:`IncompleteCheckpointError` when a rank's record is nowhere
+    (that rank never finished its save).
+    """
+    if m.format_version is None:
+        return {}
+    records = dict(m.files)
+    for rank in range(m.num_ranks):
+        name = data_file_name(rank)
+        if name in records:
+            continue
+        if not storage.exists(storage.join(directory, rank_manifest_name(rank))):
+            raise IncompleteCheckpointError(
+                f"{directory}: neither {METADATA_FILE} nor {rank_manifest_name(rank)} records {name}: "
+                f"rank {rank} never finished its save, so the checkpoint is incomplete"
+            )
+        records.update(read_rank_manifest(storage, directory, rank, m.num_ranks))
+        if name not in records:
+            raise IncompleteCheckpointError(f"{rank_manifest_name(rank)} does not record {name}")
+    return records

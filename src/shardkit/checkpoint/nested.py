@@ -1,0 +1,147 @@
+"""Nested state (dicts, lists, tuples) to flat dotted names and back, without pickle.
+
+A leaf's name is its path joined with ``.`` (list items by index:
+``optim.state.0.exp_avg``). Tensor leaves go to the shard files; plain
+leaves (``int``, ``float``, ``bool``, ``str``, ``None``) go to
+``metadata.json`` as JSON. The *structure* is a small JSON tree that records
+container types and the exact keys (``str`` or ``int``, so optimizer state
+keyed by ints comes back with int keys). Anything else is refused with a
+``TypeError`` naming its path: nothing is ever pickled.
+
+Example::
+
+    flat = flatten({"model": {"w": w}, "step": 3})
+    flat.tensors      # {"model.w": w}
+    flat.objects      # {"step": 3}
+    unflatten(flat.structure, {"model.w": w, "step": 3}) == {"model": {"w": w}, "step": 3}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from shardkit.errors import TensorMismatchError
+
+__all__ = ["Flat", "flatten", "unflatten", "select_names", "PLAIN_TYPES"]
+
+PLAIN_TYPES = (bool, int, float, str, type(None))
+_TENSOR, _OBJECT = "T", "O"
+
+
+@dataclass
+class Flat:
+    """A flattened state: tensor leaves, plain leaves and the structure to rebuild it."""
+
+    tensors: dict[str, torch.Tensor]
+    objects: dict[str, Any]
+    structure: Any
+
+
+def flatten(state: Mapping) -> Flat:
+    """Split ``state`` (a mapping, possibly nested) into named tensor and plain leaves."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"the state must be a dict (possibly nested), got {type(state).__name__}")
+    flat = Flat({}, {}, None)
+    flat.structure = _walk(state, "", flat)
+    return flat
+
+
+def _walk(node: Any, path: str, flat: Flat) -> Any:
+    if isinstance(node, torch.Tensor):
+        _claim(path, flat)
+        flat.tensors[path] = node
+        return _TENSOR
+    if isinstance(node, PLAIN_TYPES):
+        if isinstance(node, float) and not math.isfinite(node):
+            raise TypeError(f"state leaf {path!r} is {node}, which JSON cannot hold; store it as a tensor")
+        _claim(path, flat)
+        flat.objects[path] = node
+        return _OBJECT
+    if isinstance(node, Mapping):
+        items = []
+        for key, child in node.items():
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise TypeError(f"state key {key!r} under {path or 'the top level'!r} is a "
+                                f"{type(key).__name__}; only str and int keys can be saved")
+            items.append([key, _walk(child, _join(path, key), flat)])
+        return {"dict": items}
+    if isinstance(node, (list, tuple)):
+        kind = "list" if isinstance(node, list) else "tuple"
+        return {kind: [_walk(child, _join(path, i), flat) for i, child in enumerate(node)]}
+    raise TypeError(
+        f"state leaf {path!r} is a {type(node).__name__}; shardkit saves tensors, dicts, lists, tuples "
+        f"and int/float/bool/str/None, and never pickles. Convert it (e.g. to a tensor or a dict)."
+    )
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _claim(path: str, flat: Flat) -> None:
+    if path == "":
+        raise TypeError("the state must be a dict, not a single leaf")
+    if path in flat.tensors or path in flat.objects:
+        raise TensorMismatchError(
+            f"two leaves of the state flatten to the same name {path!r} (a key containing '.' "
+            f"collides with a nested path); rename one of them"
+        )
+
+
+def unflatten(structure: Any, leaves: Mapping[str, Any], *, keep: set[str] | None = None) -> Any:
+    """Rebuild the nested state from ``structure`` and the leaves by name.
+
+    With ``keep``, only leaves whose names are in it are placed; containers
+    left empty are dropped and list items keep their order but not their
+    index. Without a structure (seed-format checkpoints), the result is the
+    flat dict of leaves.
+    """
+    if structure is None:
+        return {name: value for name, value in leaves.items() if keep is None or name in keep}
+    built = _build(structure, "", leaves, keep)
+    return {} if built is _MISSING else built
+
+
+_MISSING = object()
+
+
+def _build(node: Any, path: str, leaves: Mapping[str, Any], keep: set[str] | None) -> Any:
+    if node in (_TENSOR, _OBJECT):
+        if keep is not None and path not in keep:
+            return _MISSING
+        return leaves[path]
+    (kind, children), = node.items()
+    if kind == "dict":
+        built = {key: _build(child, _join(path, key), leaves, keep) for key, child in children}
+        built = {k: v for k, v in built.items() if v is not _MISSING}
+    else:
+        built = [_build(child, _join(path, i), leaves, keep) for i, child in enumerate(children)]
+        built = [v for v in built if v is not _MISSING]
+        built = tuple(built) if kind == "tuple" else built
+    if keep is not None and path and not built:
+        return _MISSING
+    return built
+
+
+def select_names(all_names: list[str], keys) -> list[str]:
+    """The names selected by ``keys``: exact names, or prefixes of dotted paths (``"optim"``).
+
+    ``keys=None`` selects everything. A key that selects nothing raises
+    :class:`TensorMismatchError` listing some of the names there are.
+    """
+    if keys is None:
+        return list(all_names)
+    if isinstance(keys, str):
+        keys = [keys]
+    chosen: dict[str, None] = {}
+    for key in keys:
+        hits = [n for n in all_names if n == key or n.startswith(key + ".")]
+        if not hits:
+            sample = ", ".join(sorted(all_names)[:8]) + (", ..." if len(all_names) > 8 else "")
+            raise TensorMismatchError(f"key {key!r} is not in the checkpoint; it holds: {sample or 'nothing'}")
+        chosen.update(dict.fromkeys(hits))
+    return [n for n in all_names if n in chosen]
