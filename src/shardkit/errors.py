@@ -31,6 +31,7 @@ __all__ = [
     "InvalidRankError",
     "CommTimeoutError",
     "CommAbortedError",
+    "CommArgumentError",
 ]
 
 
@@ -84,3 +85,7 @@ class CommTimeoutError(CommError, TimeoutError):
 
 class CommAbortedError(CommError):
     """The group was aborted; the operation was interrupted or refused."""
+
+
+class CommArgumentError(CommError, ValueError):
+    """Tensors passed to a collective do not fit it (count, shape, dtype or device)."""

@@ -28,3 +28,18 @@ IO_THREADS: int = 4
 #: Whether checkpoint loads verify the checksum of every block they read
 #: (``verify=None`` in ``shardkit.checkpoint`` loads means this value).
 VERIFY_ON_LOAD: bool = True
+
+# --- communication (shardkit.comm) -------------------------------------------
+
+#: Largest flat buffer ``all_reduce_`` / ``broadcast_`` pack small tensors into;
+#: one collective per bucket. Bigger buckets mean fewer calls but more copying
+#: before the first byte moves.
+COMM_BUCKET_BYTES: int = 32 * 1024 * 1024
+
+#: How often a thread blocked in a collective re-checks its abort flag and
+#: deadline when nothing wakes it earlier (abort wakes it at once).
+COMM_ABORT_POLL_S: float = 0.05
+
+#: Grace added to a group's timeout before shardkit gives up on a collective
+#: itself, in case the backend's own timeout does not fire.
+COMM_TIMEOUT_SLACK_S: float = 2.0

@@ -1,0 +1,158 @@
+"""Abort handles and the bounded wait every collective goes through.
+
+Every collective is issued asynchronously and then waited for here, against
+three things: its completion, the group's abort flag, and a deadline (the
+group's timeout plus ``knobs.COMM_TIMEOUT_SLACK_S``). So a dead peer or a
+watchdog's ``abort()`` turns into a typed error instead of a hang. This module
+does not kill the backend's own blocked thread (Gloo has no way to interrupt
+it); it frees the caller and marks the group unusable.
+
+Example::
+
+    handle = group.abort_handle()
+    threading.Timer(30, handle.abort).start()   # a watchdog
+    group.all_reduce_([t])                      # CommAbortedError if it takes longer
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+from shardkit import knobs
+from shardkit.errors import CommAbortedError, CommError, CommTimeoutError
+
+__all__ = ["AbortHandle", "wait_work"]
+
+
+class AbortHandle:
+    """Aborts one group from any thread: ``abort()`` is idempotent, ``is_aborted`` reads the flag.
+
+    It does not close sockets of other ranks; they find out through their own
+    timeout or their own handle.
+
+    Example::
+
+        h = group.abort_handle()
+        h.abort(); h.abort()      # the second call does nothing
+        assert h.is_aborted
+    """
+
+    def __init__(self, on_abort=None):
+        self._lock = threading.Lock()
+        self._aborted = False
+        self._waiters: set[threading.Event] = set()
+        self._on_abort = on_abort  # e.g. the process group's own abort()
+
+    @property
+    def is_aborted(self) -> bool:
+        return self._aborted
+
+    def abort(self) -> None:
+        """Make blocked and future collectives of this group raise ``CommAbortedError``."""
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+            waiters = list(self._waiters)
+        for ev in waiters:
+            ev.set()  # wake blocked waiters now rather than at their next poll
+        if self._on_abort is not None:
+            try:
+                self._on_abort()
+            except Exception:  # noqa: BLE001 - the backend may already be gone
+                pass
+
+    def _add(self, ev: threading.Event) -> None:
+        with self._lock:
+            self._waiters.add(ev)
+            if self._aborted:
+                ev.set()
+
+    def _remove(self, ev: threading.Event) -> None:
+        with self._lock:
+            self._waiters.discard(ev)
+
+
+class _Completion:
+    """Tells when one backend work has finished, and how: set by a callback or a helper thread."""
+
+    def __init__(self, work):
+        self.event, self.done, self.error, self._work = threading.Event(), False, None, work
+        try:
+            fut = work.get_future()
+        except RuntimeError:
+            # Gloo's send/recv and reduce_scatter works have no future and never
+            # report is_completed(); only wait() tells, so a helper thread waits.
+            self._threaded = True
+            threading.Thread(target=self._wait_in_thread, daemon=True).start()
+            return
+        self._threaded = False
+        fut.add_done_callback(self._on_done)
+
+    def _on_done(self, _fut) -> None:
+        self.done = True
+        self.event.set()
+
+    def _wait_in_thread(self) -> None:
+        try:
+            self._work.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            self.error = e
+        finally:
+            self.done = True
+            self.event.set()
+
+    def result(self) -> None:
+        """Raise the work's error, if it failed (call once ``done``)."""
+        if self.error is not None:
+            raise self.error
+        if not self._threaded:
+            self._work.wait()  # already complete: returns at once or raises the backend's error
+
+
+def wait_work(work, *, what: str, timeout: timedelta, handle: AbortHandle) -> None:
+    """Block until ``work`` completes; raise a ``CommError`` on abort, timeout or failure."""
+    deadline = time.monotonic() + timeout.total_seconds() + knobs.COMM_TIMEOUT_SLACK_S
+    c = _Completion(work)
+    handle._add(c.event)
+    try:
+        while not c.event.wait(min(knobs.COMM_ABORT_POLL_S, max(0.0, deadline - time.monotonic()))):
+            _check(what, deadline, handle, timeout)
+        if not c.done:
+            _check(what, deadline, handle, timeout)  # woken by abort(): raises CommAbortedError
+    finally:
+        handle._remove(c.event)
+    try:
+        c.result()
+    except Exception as e:  # noqa: BLE001 - backends raise RuntimeError or DistBackendError
+        raise translate_failure(e, what, timeout) from e
+
+
+def _check(what, deadline, handle, timeout) -> None:
+    if handle.is_aborted:
+        raise CommAbortedError(
+            f"{what} was interrupted: the group was aborted (AbortHandle.abort()). "
+            "Its result is undefined; create a new group to continue."
+        )
+    if time.monotonic() > deadline:
+        raise CommTimeoutError(
+            f"{what} did not finish within the group's timeout of {timeout.total_seconds():g} s "
+            f"(+{knobs.COMM_TIMEOUT_SLACK_S:g} s grace); a peer rank is probably dead or stuck. "
+            "Raise the timeout in Group.init_rank(..., timeout=) if the work is just slow."
+        )
+
+
+def translate_failure(e: BaseException, what: str, timeout: timedelta) -> CommError:
+    """Map a backend exception to the shardkit error tree, keeping its text."""
+    text = str(e)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return CommTimeoutError(
+            f"{what} timed out after the group's timeout of {timeout.total_seconds():g} s; "
+            f"a peer rank is probably dead or stuck. Backend said: {text.strip()[:300]}"
+        )
+    return CommError(
+        f"{what} failed in the backend; a peer rank may have died or the ranks called "
+        f"different collectives. Backend said: {text.strip()[:300]}"
+    )
