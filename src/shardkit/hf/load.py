@@ -32,7 +32,7 @@ from shardkit.hf.index import (
     sharing_of,
 )
 from shardkit.hf.shard_io import read_shard, shard_header
-from shardkit.hf.sharing import retie_parameters
+from shardkit.hf.sharing import create_sharing_metadata, retie_parameters
 from shardkit.storage import storage_for
 
 __all__ = ["load_checkpoint", "load_sharded_checkpoint"]
@@ -174,7 +174,7 @@ def _load_module(model_dir, shard_index, aliases, module, device, safetensors, s
     weight_map = shard_index["weight_map"]
     own = module.state_dict(keep_vars=True)
     provided = set(weight_map) | set(aliases)
-    missing = {k for k in own if k not in provided}
+    missing = {k for k in own if k not in provided} - _covered_by_own_ties(module, provided)
     unexpected = sorted(k for k in weight_map if k not in own)
     if strict and (missing or unexpected):
         raise TensorMismatchError(
@@ -190,6 +190,15 @@ def _load_module(model_dir, shard_index, aliases, module, device, safetensors, s
     groups = [g for g in sharing_of(shard_index) if all(n in own for n in g)]
     retie_parameters(module, groups)
     return missing
+
+
+def _covered_by_own_ties(module: Module, provided: Set[str]) -> Set[str]:
+    """Names the module ties to a name the checkpoint provides (e.g. ``save_pretrained`` drops ``lm_head``)."""
+    covered: Set[str] = set()
+    for group in create_sharing_metadata(module):
+        if any(n in provided for n in group):
+            covered.update(group)
+    return covered
 
 
 def _install(module: Module, own: Dict[str, Tensor], loaded: Dict[str, Tensor], device, assign: bool) -> None:
