@@ -77,19 +77,19 @@ def _check_file(storage, directory: str, m: Manifest, rank: int, record: FileRec
         return
     try:
         with storage.open_reader(path) as reader:
-            if record is not None and not _check_bytes(reader, name, record, problems):
-                return
+            if record is not None:
+                _check_bytes(reader, name, record, problems)
             header = read_header(reader)
             _check_header(name, rank, header, m, problems)
     except (CheckpointError, OSError) as e:
         problems.append(f"{name}: {e}")
 
 
-def _check_bytes(reader: Reader, name: str, record: FileRecord, problems: list[str]) -> bool:
+def _check_bytes(reader: Reader, name: str, record: FileRecord, problems: list[str]) -> None:
     if reader.size_bytes != record.bytes:
         kind = "short (truncated)" if reader.size_bytes < record.bytes else "longer than recorded"
         problems.append(f"{name} is {kind}: {reader.size_bytes} bytes, the manifest records {record.bytes}")
-        return False
+        return
     buf = bytearray(record.block_bytes)
     for index, start in enumerate(range(0, record.bytes, record.block_bytes)):
         view = memoryview(buf)[: min(record.block_bytes, record.bytes - start)]
@@ -97,8 +97,7 @@ def _check_bytes(reader: Reader, name: str, record: FileRecord, problems: list[s
         if block_digest(view) != record.block_checksums[index]:
             problems.append(f"{name} is corrupt: bytes {start}..{start + len(view)} do not match their "
                             f"checksum (block {index}); restore the file or use an earlier checkpoint")
-            return False
-    return True
+            return
 
 
 def _check_header(name: str, rank: int, header: SafetensorsHeader, m: Manifest, problems: list[str]) -> None:
