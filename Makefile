@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/reshard_demo.py
+	$(VENV)/bin/shardkit demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

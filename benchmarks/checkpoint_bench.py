@@ -1,0 +1,114 @@
+"""Single-rank checkpoint rows: save (fsync'd), warm load, async save.
+
+Every implementation runs on the same state, one after the other, in this
+process; each repetition writes to a fresh directory (removed, untimed,
+before the next) so no run gains from another's files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from benchmarks import peers
+from benchmarks.common import row, time_reps
+from benchmarks.workload import make_state, state_bytes
+from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, load_distributed, save_distributed
+
+SINGLE = ShardMetadata(num_ranks=1, tensor_specs={})
+
+
+def _fresh(path: str):
+    def setup():
+        shutil.rmtree(path, ignore_errors=True)
+    return setup
+
+
+def _save_impls(state):
+    return {
+        "shardkit": lambda p: save_distributed(state, p, 0, 1, SINGLE),
+        "torch.distributed.checkpoint.save": lambda p: peers.dcp_save(state, p),
+        "torch.save + fsync": lambda p: peers.torch_save(state, p),
+        "safetensors.save_file + fsync": lambda p: peers.safetensors_save(state, p),
+        "huggingface_hub.save_torch_state_dict + fsync": lambda p: peers.hf_hub_save(state, p),
+        "raw write + fsync (limit)": lambda p: peers.raw_write(state, p),
+    }
+
+
+def bench_save(state, workdir: str, reps: int) -> list[dict]:
+    rows, nbytes = [], state_bytes(state)
+    for impl, save in _save_impls(state).items():
+        path = os.path.join(workdir, "save")
+        timing = time_reps(lambda: save(path), reps, setup=_fresh(path))
+        kind = "limit" if "limit" in impl else "peer"
+        rows.append(row("save, 1 rank, fsync'd", impl, timing, kind=kind, bytes=nbytes))
+    shutil.rmtree(os.path.join(workdir, "save"), ignore_errors=True)
+    return rows
+
+
+def bench_load(state, workdir: str, reps: int) -> list[dict]:
+    nbytes = state_bytes(state)
+    cases = {
+        "shardkit": ("shardkit", lambda p: save_distributed(state, p, 0, 1, SINGLE),
+                     lambda p: load_distributed(p, 0, 1)),
+        "torch.distributed.checkpoint.load": ("dcp", lambda p: peers.dcp_save(state, p),
+                                              lambda p: peers.dcp_load(state, p)),
+        "torch.load(weights_only=True)": ("pt", lambda p: peers.torch_save(state, p), peers.torch_load),
+        "safetensors.load_file": ("st", lambda p: peers.safetensors_save(state, p), peers.safetensors_load),
+        "read from page cache (limit)": ("raw", lambda p: peers.raw_write(state, p),
+                                         lambda p: peers.raw_read(state, p)),
+    }
+    rows = []
+    for impl, (sub, save, load) in cases.items():
+        path = os.path.join(workdir, "load-" + sub)
+        shutil.rmtree(path, ignore_errors=True)
+        save(path)
+        load(path)  # warm the page cache
+        timing = time_reps(lambda: load(path), reps)
+        kind = "limit" if "limit" in impl else "peer"
+        rows.append(row("load, 1 rank, warm cache", impl, timing, kind=kind, bytes=nbytes))
+        shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
+def bench_async(state, workdir: str, reps: int) -> list[dict]:
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(workdir, "async")
+    checkpointer = AsyncCheckpointer(path, 0, 1, SINGLE)
+    pending = []
+
+    def ours():
+        pending.append(checkpointer.save_async(state))
+
+    def dcp_async():
+        pending.append(dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True)))
+
+    def drain():
+        for future in pending:
+            (future.wait() if hasattr(future, "wait") else future.result())
+        pending.clear()
+        shutil.rmtree(path, ignore_errors=True)
+
+    rows = []
+    for impl, fn, kind in (
+        ("shardkit", ours, "peer"),
+        ("torch.distributed.checkpoint.async_save", dcp_async, "peer"),
+        ("shardkit save_distributed (sync)", lambda: save_distributed(state, path, 0, 1, SINGLE), "peer"),
+        ("copy the state once in memory (limit)", lambda: peers.copy_once(state), "limit"),
+    ):
+        rows.append(row("async save: caller blocked", impl, time_reps(fn, reps, setup=drain), kind=kind))
+    drain()
+    return rows
+
+
+def run_checkpoint_benchmarks(size_bytes: int, reps: int, workdir: str, cases=("save", "load", "async")) -> list[dict]:
+    state = make_state(size_bytes)
+    rows = []
+    if "save" in cases:
+        rows += bench_save(state, workdir, reps)
+    if "load" in cases:
+        rows += bench_load(state, workdir, reps)
+    if "async" in cases:
+        rows += bench_async(state, workdir, reps)
+    return rows

@@ -1,0 +1,102 @@
+"""What a user would otherwise pick: the peers' save and load, and the raw limits.
+
+Each function does the same work as its shardkit counterpart on the same
+state, including making the result durable (fsync) where the case says so.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from shardkit.storage import byte_view
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file under ``path`` (for peers that do not fsync themselves)."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def dcp_save(state: dict, path: str, process_group=None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True), process_group=process_group)
+
+
+def dcp_load(template: dict, path: str, process_group=None) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    state = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in template.items()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=process_group)
+    return state
+
+
+def torch_save(state: dict, path: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "state.pt"), "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def torch_load(path: str) -> dict:
+    return torch.load(os.path.join(path, "state.pt"), weights_only=True)
+
+
+def safetensors_save(state: dict, path: str) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "model.safetensors"))
+    fsync_tree(path)
+
+
+def safetensors_load(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def hf_hub_save(state: dict, path: str) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    os.makedirs(path, exist_ok=True)
+    save_torch_state_dict(state, path)
+    fsync_tree(path)
+
+
+def raw_write(state: dict, path: str) -> None:
+    """The limit: the same tensor bytes written to one file and fsync'd."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "raw.bin"), "wb", buffering=0) as f:
+        for t in state.values():
+            view = byte_view(t.contiguous())
+            for start in range(0, len(view), 16 << 20):
+                f.write(view[start : start + (16 << 20)])
+        os.fsync(f.fileno())
+
+
+def raw_read(template: dict, path: str) -> dict:
+    """The limit: the same bytes read from the page cache into fresh tensors."""
+    out = {}
+    with open(os.path.join(path, "raw.bin"), "rb", buffering=0) as f:
+        for name, t in template.items():
+            dst = torch.empty_like(t)
+            view = byte_view(dst)
+            done = 0
+            while done < len(view):
+                done += f.readinto(view[done:])
+            out[name] = dst
+    return out
+
+
+def copy_once(state: dict) -> dict:
+    """The limit of an async save's blocking part: one copy of the state in memory."""
+    return {k: v.clone() for k, v in state.items()}

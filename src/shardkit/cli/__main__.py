@@ -1,0 +1,5 @@
+import sys
+
+from shardkit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,66 @@
+"""``shardkit inspect DIR``: what a checkpoint holds, without reading its tensor data.
+
+For a distributed checkpoint (``metadata.json``): format and version, the
+saving world size, every tensor's dtype, full shape and how it is split, the
+data files and their sizes, the plain values and user metadata. ``--json``
+prints the same as JSON. Reads only the manifest; never the tensor bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from shardkit.dtypes import NAME_TO_DTYPE
+
+
+def register(sub) -> None:
+    p = sub.add_parser("inspect", help="show what a checkpoint holds (reads only its manifest)",
+                       description=__doc__)
+    p.add_argument("path", help="a distributed checkpoint directory (with metadata.json)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(run=run)
+
+
+def _row(name: str, saved) -> dict:
+    spec = saved.spec
+    split = "replicated" if spec.shard_dim is None else f"dim {spec.shard_dim}: {list(spec.shard_sizes)}"
+    itemsize = NAME_TO_DTYPE[saved.dtype].itemsize if saved.dtype in NAME_TO_DTYPE else None
+    nbytes = math.prod(spec.full_shape) * itemsize if itemsize is not None else None
+    owner = saved.owner_rank
+    return {"name": name, "dtype": saved.dtype or "(in header)", "shape": list(spec.full_shape),
+            "split": split + (f", owner rank {owner}" if owner is not None else ""), "bytes": nbytes}
+
+
+def run(args) -> int:
+    from shardkit.checkpoint import read_metadata
+
+    m = read_metadata(args.path)
+    rows = [_row(name, saved) for name, saved in sorted(m.tensors.items())]
+    summary = {
+        "path": args.path,
+        "format_version": m.format_version,
+        "num_ranks": m.num_ranks,
+        "tensors": rows,
+        "files": {name: rec.bytes for name, rec in sorted(m.files.items())},
+        "objects": m.objects,
+        "user_metadata": m.user_metadata,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2, ensure_ascii=False))
+        return 0
+    version = "seed format (ferrotorch 0.4)" if m.format_version is None else f"format v{m.format_version}"
+    total = sum(r["bytes"] or 0 for r in rows)
+    print(f"{args.path}: distributed checkpoint, {version}, saved by {m.num_ranks} rank(s)")
+    print(f"{len(rows)} tensor(s), {total:,} bytes in all")
+    width = max((len(r["name"]) for r in rows), default=4)
+    for r in rows:
+        print(f"  {r['name']:<{width}}  {r['dtype']:<6} {str(r['shape']):<18} {r['split']}")
+    if m.files:
+        print("files (as recorded in metadata.json):")
+        for name, size in summary["files"].items():
+            print(f"  {name:<24} {size:>14,} bytes")
+    for title, values in (("values", m.objects), ("user metadata", m.user_metadata)):
+        if values:
+            print(f"{title}: {json.dumps(values, ensure_ascii=False)}")
+    return 0
