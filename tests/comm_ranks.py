@@ -28,9 +28,18 @@ def _entry(rank, world_size, uid_bytes, fn, args, queue):
         queue.put((rank, False, traceback.format_exc()))
 
 
+def _context():
+    # A forkserver that has imported torch once forks each rank in milliseconds;
+    # "spawn" would import torch again per rank (seconds each on a small machine),
+    # and "fork" would copy this process's threads (Gloo's, from other tests).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "shardkit.comm", "comm_ranks"])
+    return ctx
+
+
 def spawn_ranks(fn, world_size, *args, timeout_s=120, may_die=()):
     """Run ``fn(rank, world_size, uid_bytes, *args)`` on ``world_size`` processes; return results."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     uid = UniqueId.new(host="127.0.0.1").as_bytes()
     procs = [ctx.Process(target=_entry, args=(r, world_size, uid, fn, args, queue), daemon=True)
