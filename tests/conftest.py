@@ -17,3 +17,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+# the repository root, for `benchmarks` and `examples`
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
