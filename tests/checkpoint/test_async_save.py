@@ -133,16 +133,13 @@ def test_staging_buffers_are_reused_when_shapes_match(fake, tmp_path):
     assert second["b"].shape == (9,)
 
 
-def test_without_reuse_every_save_gets_fresh_buffers(fake, tmp_path):
+def test_without_reuse_no_buffers_are_kept(fake, tmp_path):
     ckpt = _ckpt(tmp_path, reuse_buffers=False)
     state = {"a": torch.ones(1 << 16)}
-    ckpt.save_async(state).wait()
-    ptr = fake.calls[0]["staged"]["a"].data_ptr()
-    fake.calls.clear()  # drop the reference so the allocator may free it
-    assert ckpt._buffers == {}
-    ckpt.save_async(state).wait()
-    assert torch.equal(fake.calls[0]["staged"]["a"], state["a"])
-    del ptr
+    for _ in range(2):
+        ckpt.save_async(state).wait()
+        assert ckpt._buffers == {}
+    assert all(torch.equal(c["staged"]["a"], state["a"]) for c in fake.calls)
 
 
 def test_staging_failure_raises_at_once_and_frees_the_slot(fake, tmp_path, monkeypatch):
@@ -182,3 +179,104 @@ def test_close_raises_an_unreported_failure(fake, tmp_path):
 def test_a_group_unknown_to_torch_distributed_is_refused_with_advice(tmp_path):
     with pytest.raises(AsyncCheckpointError, match="dedicated_group=False"):
         AsyncCheckpointer(tmp_path, 0, 1, None, group=object())
+
+
+def test_unsavable_leaf_is_refused_at_save_async_not_in_the_background(fake, tmp_path):
+    ckpt = _ckpt(tmp_path)
+    with pytest.raises(AsyncCheckpointError, match="never pickles") as info:
+        ckpt.save_async({"w": torch.ones(2), "opt": object()})
+    assert isinstance(info.value.__cause__, TypeError)
+    assert fake.calls == []
+    ckpt.save_async({"w": torch.ones(2)}).wait()
+
+
+def test_prepare_allocates_the_buffers_the_first_save_reuses(fake, tmp_path):
+    ckpt = _ckpt(tmp_path)
+    state = {"a": torch.arange(10.0)}
+    ckpt.prepare(state)
+    ptr = ckpt._buffers[("a",)].data_ptr()
+    ckpt.save_async(state).wait()
+    assert fake.calls[0]["staged"]["a"].data_ptr() == ptr
+    fake.gate.clear()
+    ckpt.save_async(state)
+    with pytest.raises(AsyncCheckpointError, match="in flight"):
+        ckpt.prepare(state)
+    fake.gate.set()
+    ckpt.close()
+
+
+# --- real saves (save_distributed, then load) ------------------------------------------
+
+from shardkit.checkpoint import (  # noqa: E402
+    ShardMetadata,
+    TensorShardSpec,
+    load_distributed,
+    validate_distributed,
+)
+
+
+def _bits(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_checkpoint_holds_the_values_at_save_async_while_training_mutates(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 64, generator=g)
+    half = torch.randn(33, 7, generator=g).to(torch.bfloat16)
+    state = {"model": {"w": w, "h": half.t()}, "optim": {"state": [{"m": torch.zeros(5), "step": 7}]}}
+    originals = {"w": w.clone(), "h": half.t().clone(), "m": torch.zeros(5)}
+    spec = ShardMetadata(1, {"model.w": TensorShardSpec((256, 64), 0, (256,))})
+    with AsyncCheckpointer(tmp_path / "ck", 0, 1, spec) as ckpt:
+        future = ckpt.save_async(state)
+        for _ in range(20):  # "training": in-place updates right after save_async
+            w.mul_(0.5).add_(1)
+            half.add_(1)
+            state["optim"]["state"][0]["m"].add_(3)
+        state["optim"]["state"][0]["step"] = 8
+        future.wait()
+    assert validate_distributed(tmp_path / "ck").ok
+    out = load_distributed(tmp_path / "ck", 0, 1)
+    assert torch.equal(_bits(out["model"]["w"]), _bits(originals["w"]))
+    assert torch.equal(_bits(out["model"]["h"]), _bits(originals["h"]))
+    assert torch.equal(out["optim"]["state"][0]["m"], originals["m"])
+    assert out["optim"]["state"][0]["step"] == 7
+
+
+def test_repeated_saves_to_new_dirs_each_hold_their_step(tmp_path):
+    w = torch.zeros(1000)
+    with AsyncCheckpointer(tmp_path / "unused", 0, 1, None) as ckpt:
+        futures = []
+        for step in range(4):
+            if futures:
+                futures[-1].wait()
+            futures.append(ckpt.save_async({"w": w, "step": step}, dir=tmp_path / f"step-{step}"))
+            w.add_(1)
+    for step in range(4):
+        out = load_distributed(tmp_path / f"step-{step}", 0, 1)
+        assert out["step"] == step and torch.equal(out["w"], torch.full((1000,), float(step)))
+
+
+def test_background_failure_surfaces_in_wait_and_the_next_save_works(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"a file where the checkpoint directory should go")
+    ckpt = AsyncCheckpointer(blocker / "ck", 0, 1, None)
+    future = ckpt.save_async({"w": torch.ones(3)})
+    with pytest.raises(AsyncCheckpointError, match="failed") as info:
+        future.wait(timeout=30)
+    assert isinstance(info.value.__cause__, OSError), repr(info.value.__cause__)
+    assert str(blocker / "ck") in str(info.value)
+    with pytest.raises(AsyncCheckpointError):
+        future.wait()
+    ckpt.save_async({"w": torch.ones(3)}, dir=tmp_path / "ok").wait()
+    ckpt.close()
+    assert torch.equal(load_distributed(tmp_path / "ok", 0, 1)["w"], torch.ones(3))
+
+
+def test_spec_mismatch_fails_in_wait_with_the_cores_message(tmp_path):
+    spec = ShardMetadata(1, {"w": TensorShardSpec((4,), 0, (4,))})
+    ckpt = AsyncCheckpointer(tmp_path / "ck", 0, 1, spec)
+    future = ckpt.save_async({"w": torch.ones(5)})
+    with pytest.raises(AsyncCheckpointError, match="shape") as info:
+        future.wait()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert not validate_distributed(tmp_path / "ck").ok

@@ -54,7 +54,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -163,7 +163,6 @@ class AsyncCheckpointer:
         self.world_size = world_size
         self.shard_spec = shard_spec
         self.reuse_buffers = reuse_buffers
-        self._user_group = group
         self._own_group = None
         if group is not None and dedicated_group:
             self._own_group = _dedicated_gloo_group(group)
@@ -184,9 +183,7 @@ class AsyncCheckpointer:
         target = self.dir if dir is None else os.fspath(dir)
         future = self._claim(target)
         try:
-            staged, self._buffers = _stage(state_dict, self._buffers if self.reuse_buffers else {})
-            if not self.reuse_buffers:
-                self._buffers = {}
+            staged = self._stage_checked(state_dict)
         except BaseException as e:
             self._release(future)
             raise AsyncCheckpointError(
@@ -207,6 +204,21 @@ class AsyncCheckpointer:
             raise AsyncCheckpointError(f"could not start the background save thread: {e}") from e
         return future
 
+    def prepare(self, state_dict) -> None:
+        """Allocate the staging buffers for a state shaped like ``state_dict`` now; write nothing.
+
+        Optional: the first ``save_async`` otherwise pays for allocating (and,
+        for CUDA tensors, pinning) one host copy of the state while the caller
+        waits. Call it once at start-up, when a pause costs nothing. Raises
+        ``AsyncCheckpointError`` while a save is in flight (its buffers are busy).
+        """
+        with self._lock:  # held while staging: a concurrent save_async must not take the buffers
+            self._check_idle(self.dir)
+            try:
+                self._stage_checked(state_dict)
+            except BaseException as e:
+                raise AsyncCheckpointError(f"preparing the staging buffers failed: {type(e).__name__}: {e}") from e
+
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the save in flight, if any (see :meth:`CheckpointFuture.wait`)."""
         future = self._in_flight
@@ -216,7 +228,8 @@ class AsyncCheckpointer:
     def close(self) -> None:
         """Wait for the save in flight, free the staging buffers and the dedicated group.
 
-        Raises the last save's failure unless a ``wait()`` already raised it. Idempotent. A closed checkpointer refuses ``save_async``.
+        Raises the last save's failure unless a ``wait()`` already raised it.
+        Idempotent. A closed checkpointer refuses ``save_async``.
         """
         if self._closed:
             return
@@ -247,20 +260,33 @@ class AsyncCheckpointer:
 
     # --- internals -----------------------------------------------------------
 
+    def _check_idle(self, target: str) -> None:
+        if self._closed:
+            raise AsyncCheckpointError("this AsyncCheckpointer is closed; create a new one to save again")
+        running = self._in_flight
+        if running is not None and not running.done():
+            raise AsyncCheckpointError(
+                f"a checkpoint save to {running.dir} is still in flight; only one save runs at a "
+                f"time. Call wait() on its future (or on the checkpointer) before save_async() "
+                f"to {target}"
+            )
+
     def _claim(self, target: str) -> CheckpointFuture:
         with self._lock:
-            if self._closed:
-                raise AsyncCheckpointError("this AsyncCheckpointer is closed; create a new one to save again")
-            running = self._in_flight
-            if running is not None and not running.done():
-                raise AsyncCheckpointError(
-                    f"a checkpoint save to {running.dir} is still in flight; only one save runs at a "
-                    f"time. Call wait() on its future (or on the checkpointer) before save_async() "
-                    f"to {target}"
-                )
+            self._check_idle(target)
             future = CheckpointFuture(target, f"background checkpoint save (rank {self.rank})")
             self._in_flight = future
             return future
+
+    def _stage_checked(self, state_dict):
+        staged, buffers = _stage(state_dict, self._buffers if self.reuse_buffers else {})
+        # Refuse what the save would refuse (non-str keys, leaves that need pickle) here and
+        # now, not in the background; cheap: a walk over the leaves.
+        from shardkit.checkpoint.nested import flatten
+
+        flatten(staged)
+        self._buffers = buffers if self.reuse_buffers else {}
+        return staged
 
     def _release(self, future: CheckpointFuture) -> None:
         with self._lock:
@@ -343,7 +369,7 @@ def _stage(state, buffers: dict[tuple, torch.Tensor]):
 def _map_leaves(node: Any, path: tuple, fn: Callable[[tuple, torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(node, torch.Tensor):
         return fn(path, node)
-    if isinstance(node, dict):
+    if isinstance(node, Mapping):
         return {k: _map_leaves(v, path + (k,), fn) for k, v in node.items()}
     if isinstance(node, (list, tuple)):
         items = [_map_leaves(v, path + (i,), fn) for i, v in enumerate(node)]
