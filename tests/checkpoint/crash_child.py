@@ -1,0 +1,107 @@
+"""The process a crash test kills: it saves a checkpoint and SIGKILLs itself at a chosen point.
+
+Run in a child process only (``test_crash.py`` forks it from a forkserver).
+It wraps the storage layer's atomic writer and ``os.replace`` in this process,
+so production code carries no test hooks. Kill points (``kill`` dict):
+
+- ``{"at": "bytes", "file": "rank_0.safetensors", "n": N}``: after exactly N
+  bytes of that file (its temporary name) are written; ``"file": None``
+  counts the bytes of every file;
+- ``{"at": "before_publish", "file": F}``: F is written and fsync'd under its
+  temporary name, not yet renamed;
+- ``{"at": "after_publish", "file": F}``: F was just renamed to its final name.
+
+If the save finishes without reaching the kill point the child exits with
+code 3, so a test notices a hook that never fired (e.g. the writer changed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import torch
+
+STATE_SEEDS = {"old": 0, "new": 1}
+
+
+def make_state(which: str, rank: int = 0, world_size: int = 1) -> dict:
+    """The state saved by the crash tests: nested, several dtypes, rank's rows of "w"."""
+    g = torch.Generator().manual_seed(STATE_SEEDS[which])
+    w = torch.randn(64, 256, generator=g)                    # 64 KiB, sharded on dim 0
+    emb = torch.randn(100, 33, generator=g).to(torch.bfloat16)
+    ids = torch.randint(-(2**40), 2**40, (50,), generator=g, dtype=torch.int64)
+    rows = 64 // world_size
+    return {
+        "model": {"w": w[rank * rows : (rank + 1) * rows].clone(), "emb": emb},
+        "optim": {"state": [{"ids": ids, "step": 10 + STATE_SEEDS[which]}]},
+        "tag": which,
+    }
+
+
+def spec(world_size: int):
+    from shardkit.checkpoint import ShardMetadata, TensorShardSpec
+
+    rows = 64 // world_size
+    return ShardMetadata(world_size, {"model.w": TensorShardSpec((64, 256), 0, (rows,) * world_size)})
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _CountingFile:
+    def __init__(self, f, name: str, kill: dict, seen: dict):
+        self._f, self._name, self._kill, self._seen = f, name, kill, seen
+
+    def write(self, data) -> int:
+        kill = self._kill
+        view = memoryview(data).cast("B")
+        counted = kill["at"] == "bytes" and kill["file"] in (None, self._name)
+        if counted and self._seen["bytes"] + len(view) >= kill["n"]:
+            self._f.write(view[: kill["n"] - self._seen["bytes"]])
+            _die()
+        n = self._f.write(view)
+        if counted:
+            self._seen["bytes"] += len(view) if n is None else n
+        return n
+
+    def __getattr__(self, attr):
+        return getattr(self._f, attr)
+
+
+def install_kill_hooks(kill: dict) -> None:
+    """Make this process SIGKILL itself at ``kill`` (see the module docstring)."""
+    import shardkit.storage.atomic as atomic
+    import shardkit.storage.backend as backend
+
+    real_writer, real_replace, seen = atomic.atomic_local_writer, os.replace, {"bytes": 0}
+
+    @contextlib.contextmanager
+    def writer(path):
+        with real_writer(path) as f:
+            yield _CountingFile(f, os.path.basename(path), kill, seen)
+
+    def replace(src, dst, *args, **kwargs):
+        name = os.path.basename(os.fspath(dst))
+        if kill["at"] == "before_publish" and name == kill["file"]:
+            _die()
+        real_replace(src, dst, *args, **kwargs)
+        if kill["at"] == "after_publish" and name == kill["file"]:
+            _die()
+
+    atomic.atomic_local_writer = writer
+    backend.atomic_local_writer = writer
+    os.replace = replace
+
+
+def save_and_die(directory: str, which: str, kill: dict, world_size: int = 1) -> None:
+    """Save ``make_state(which)`` into ``directory`` (each rank in turn, no group), dying at ``kill``."""
+    torch.set_num_threads(1)
+    from shardkit.checkpoint import save_distributed
+
+    install_kill_hooks(kill)
+    for rank in range(world_size):
+        save_distributed(make_state(which, rank, world_size), directory, rank, world_size, spec(world_size))
+    os._exit(3)  # the kill point was never reached
