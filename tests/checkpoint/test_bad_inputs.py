@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ckpt_helpers import save_full
+from shardkit import knobs
 from shardkit.checkpoint import load_distributed, load_region, reshard, validate_distributed
 from shardkit.errors import (
     ChecksumError,
@@ -47,14 +48,17 @@ def test_truncated_file(ckpt):
     assert "rank_1.safetensors is short (truncated)" in _problems(ckpt)
 
 
-def test_flipped_byte_in_data(ckpt):
+def test_flipped_byte_in_data(ckpt, monkeypatch):
     path = ckpt / "rank_0.safetensors"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x40
     path.write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match="do not match their checksum.*the file is corrupt"):
-        load_distributed(ckpt, 0, 2)
-    assert load_distributed(ckpt, 0, 2, verify=False)["w"].shape == (8, 4)  # verification can be turned off
+        load_distributed(ckpt, 0, 2, verify=True)
+    monkeypatch.setattr(knobs, "VERIFY_ON_LOAD", True)
+    with pytest.raises(ChecksumError, match="do not match their checksum"):
+        load_region(ckpt, "w", (0, 0), (1, 4))
+    assert load_distributed(ckpt, 0, 2, verify=False)["w"].shape == (8, 4)  # verification is optional
     assert "rank_0.safetensors is corrupt: bytes 0.." in _problems(ckpt)
 
 
@@ -63,8 +67,8 @@ def test_flipped_byte_in_header(ckpt):
     data = bytearray(path.read_bytes())
     data[20] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises((ChecksumError, MetadataError)):
-        load_distributed(ckpt, 1, 2)
+    with pytest.raises(ChecksumError, match="rank_1.safetensors: bytes 0.."):
+        load_distributed(ckpt, 1, 2, verify=True)
     assert "rank_1.safetensors" in _problems(ckpt)
 
 

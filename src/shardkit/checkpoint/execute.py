@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -62,11 +63,9 @@ class OpenFiles:
                 raise IncompleteCheckpointError(
                     f"{path} is {reader.size_bytes} bytes, the manifest records {record.bytes}; the file "
                     f"is {'truncated' if reader.size_bytes < record.bytes else 'not the one saved'}")
-            header = read_header(reader)
             if record is not None and self.verify:
-                # The header steers every read: verify its bytes too, not just tensor data.
-                read_ranges(reader, [(0, memoryview(bytearray(header.data_start)))], record)
-            return reader, header
+                _verify_header_bytes(reader, record)
+            return reader, read_header(reader)
         except BaseException:
             reader.close()
             raise
@@ -81,6 +80,14 @@ class OpenFiles:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _verify_header_bytes(reader: Reader, record: FileRecord) -> None:
+    # The header steers every read: verify its bytes before trusting them. A
+    # length beyond the file is left to read_header, which explains it.
+    header_end = 8 + struct.unpack("<Q", reader.read(0, 8))[0] if reader.size_bytes >= 8 else 0
+    if 8 <= header_end <= reader.size_bytes:
+        read_ranges(reader, [(0, memoryview(bytearray(header_end)))], record)
 
 
 def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str], torch.dtype]) -> dict[str, torch.Tensor]:
