@@ -97,11 +97,14 @@ def install_kill_hooks(kill: dict) -> None:
 
 
 def save_and_die(directory: str, which: str, kill: dict, world_size: int = 1) -> None:
-    """Save ``make_state(which)`` into ``directory`` (each rank in turn, no group), dying at ``kill``."""
+    """Save ``make_state(which)`` into ``directory`` (each rank in turn, no group), dying at ``kill``.
+
+    ``kill["ranks"]`` (optional) is the order the ranks save in; default 0, 1, ...
+    """
     torch.set_num_threads(1)
     from shardkit.checkpoint import save_distributed
 
     install_kill_hooks(kill)
-    for rank in range(world_size):
+    for rank in kill.get("ranks", range(world_size)):
         save_distributed(make_state(which, rank, world_size), directory, rank, world_size, spec(world_size))
     os._exit(3)  # the kill point was never reached

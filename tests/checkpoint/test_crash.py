@@ -49,6 +49,8 @@ CASES = [
     ("rank1-between-data-and-manifest", 2, {"at": "after_publish", "file": "rank_1.safetensors"}),
     # Without a group rank 0 commits alone; rank 1 dies before it starts (before withdrawing its old manifest).
     ("rank0-committed-rank1-not-started", 2, {"at": "after_publish", "file": "metadata.json"}),
+    # ... and the other way round: rank 1 finished first, rank 0 dies before withdrawing the old metadata.
+    ("rank1-done-rank0-not-started", 2, {"at": "after_publish", "file": "rank_1.json", "ranks": [1, 0]}),
 ]
 MODES = ("fresh", "overwrite")
 ASYNC_CASE = ("async-mid-data", 1, {"at": "bytes", "file": "rank_0.safetensors", "n": 30_000})
@@ -175,6 +177,8 @@ def test_interrupted_save_is_reported_incomplete_and_refuses_to_load(crashed, ca
 OVERWRITE_XFAIL = {
     "rank0-committed-rank1-not-started": "no-group save: a stale rank_<r>.json from the previous save "
                                           "completes the new metadata.json (no save id ties them)",
+    "rank1-done-rank0-not-started": "no-group save: the old metadata.json + old rank_0 file are completed "
+                                     "by the new rank_1.json (no save id ties them)",
 }
 
 
