@@ -152,8 +152,10 @@ def _read_direct(files: OpenFiles, file: str, reads: list[tuple[int, memoryview]
 def _read_scattered(files: OpenFiles, file: str, entry_begin: int, pieces, out: torch.Tensor) -> None:
     reader, _, record = files.get(file)
     itemsize = out.element_size()
+    # One scratch buffer per job, reused: fewer allocations for the allocator to hold on to.
+    buffer = torch.empty(max(p.src_numel for p in pieces), dtype=out.dtype)
     for piece in pieces:
-        scratch = torch.empty(piece.src_numel, dtype=out.dtype)
+        scratch = buffer[: piece.src_numel]
         read_ranges(reader, [(entry_begin + piece.src_start * itemsize, byte_view(scratch))], record)
         target = out.as_strided(piece.sizes, piece.dst_strides, out.storage_offset() + piece.dst_start)
         target.copy_(scratch.as_strided(piece.sizes, piece.src_strides, 0))

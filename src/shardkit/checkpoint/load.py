@@ -135,7 +135,9 @@ def _load_boxes(storage, directory: str, m: Manifest, want: dict[str, Box], veri
     records = file_records(storage, directory, m)
     with OpenFiles(storage, directory, records, verify=verify) as files:
         dtypes = {n: _dtype(files, m, n) for n in want}
-        plans = plan_load(m.tensors, want, lambda n: max(1, knobs.IO_CHUNK_BYTES // dtypes[n].itemsize))
+        # IO_CHUNK_BYTES bounds the scratch of all reading threads together, not each.
+        scratch_bytes = knobs.IO_CHUNK_BYTES // max(1, knobs.IO_THREADS)
+        plans = plan_load(m.tensors, want, lambda n: max(1, scratch_bytes // dtypes[n].itemsize))
         return run_loads(files, plans, dtypes.__getitem__)
 
 
