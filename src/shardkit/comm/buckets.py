@@ -48,8 +48,8 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy ``flat`` back into ``tensors`` (nothing to do when ``pack`` did not copy)."""
     if len(tensors) == 1 and flat.data_ptr() == tensors[0].data_ptr():
         return
-    for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(chunk.view(t.shape))
+    chunks = [c.view(t.shape) for t, c in zip(tensors, flat.split([t.numel() for t in tensors]))]
+    torch._foreach_copy_(list(tensors), chunks)  # one dispatch for all copies, not one per tensor
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

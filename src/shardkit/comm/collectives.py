@@ -64,6 +64,10 @@ class Collectives:
         self._check_usable(what)
         return choose_route([t.device for t in tensors], self.backend, what)
 
+    def _backend_for(self, t: torch.Tensor) -> str:
+        # An NCCL group sends CPU tensors through its Gloo side, with Gloo's rules.
+        return "nccl" if self.backend == "nccl" and t.is_cuda else "gloo"
+
     def _run(self, tensors, what: str, stream, body) -> None:
         """Run ``body(tensors)`` natively (on ``stream`` for CUDA) or through the host."""
         if not tensors:
@@ -96,8 +100,8 @@ class Collectives:
         """
         tensors = _tensor_list(tensors, "all_reduce_")
         op = coerce_op(op)
-        for dtype in {t.dtype for t in tensors}:
-            plan_reduction(op, dtype, self.backend)  # refuse before any byte moves
+        for dtype, backend in {(t.dtype, self._backend_for(t)) for t in tensors}:
+            plan_reduction(op, dtype, backend)  # refuse before any byte moves
         self._run(tensors, "all_reduce_", stream, lambda ts: self._all_reduce_buckets(ts, op))
 
     def _all_reduce_buckets(self, tensors, op: ReduceOp) -> None:
@@ -106,7 +110,7 @@ class Collectives:
         pending = []
         for idx in buckets:  # issue them all, then wait: buckets overlap on the wire
             group = [tensors[i] for i in idx]
-            plan = plan_reduction(op, group[0].dtype, self.backend)
+            plan = plan_reduction(op, group[0].dtype, self._backend_for(group[0]))
             flat = pack(group)
             wire = to_wire(flat, plan)
             opts = dist.AllreduceOptions()
@@ -130,7 +134,7 @@ class Collectives:
                 f"reduce_scatter: dim 0 of the input must be divisible by world_size={self.world_size}; "
                 f"got shape {tuple(tensor.shape)}. Pad the tensor to a multiple of the world size."
             )
-        plan = plan_reduction(op, tensor.dtype, self.backend)
+        plan = plan_reduction(op, tensor.dtype, self._backend_for(tensor))
         rows = tensor.shape[0] // self.world_size
         out = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         self._run([tensor, out], "reduce_scatter", None, lambda ts: self._reduce_scatter(*ts, plan))

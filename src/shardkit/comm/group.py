@@ -217,7 +217,8 @@ class Group(Collectives):
 
     def _wait(self, work, what: str) -> None:
         try:
-            wait_work(work, what=what, timeout=self._timeout, handle=self._abort)
+            wait_work(work, what=what, timeout=self._timeout, handle=self._abort,
+                      backend_wait=self.backend == "gloo")
         except CommError as e:
             if not self._abort.is_aborted:
                 self._failure = type(e).__name__
