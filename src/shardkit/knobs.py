@@ -11,6 +11,10 @@ from __future__ import annotations
 #: Size of one read or write call when streaming tensor bytes to or from a file.
 IO_CHUNK_BYTES: int = 16 * 1024 * 1024
 
+#: While writing a file, ask the kernel to start writing it to disk every this
+#: many bytes (Linux sync_file_range), so the final fsync finds little to do.
+WRITEBACK_BYTES: int = 8 * 1024 * 1024
+
 #: Checksum granularity for data files: each block of this many bytes gets its
 #: own checksum, so a partial read can be verified without reading the file.
 CHECKSUM_BLOCK_BYTES: int = 8 * 1024 * 1024
@@ -46,3 +50,9 @@ COMM_ABORT_POLL_S: float = 0.05
 #: Grace added to a group's timeout before shardkit gives up on a collective
 #: itself, in case the backend's own timeout does not fire.
 COMM_TIMEOUT_SLACK_S: float = 2.0
+
+#: When True, every collective first exchanges a 8-byte digest of its
+#: arguments (op, shapes, dtypes) so ranks that disagree get a clear
+#: CommArgumentError at once instead of a backend error or a timeout. Costs
+#: one extra small all_gather per call: meant for debugging and tests.
+COMM_CHECK_ARGS: bool = False

@@ -230,3 +230,23 @@ def test_close_is_idempotent_and_refuses_more_work():
     g.close()
     with pytest.raises(CommError, match="closed"):
         g.all_reduce(torch.ones(1))
+
+
+def test_argument_check_turns_a_mismatch_into_a_clear_error(monkeypatch):
+    monkeypatch.setattr(knobs, "COMM_CHECK_ARGS", True)
+    gs = Group.local(2, timeout=20)
+
+    def body(g):
+        errors = []
+        for call in (lambda: g.all_reduce_([torch.ones(2 + g.rank)]),
+                     lambda: g.broadcast_([torch.ones(2)] * (1 + g.rank), root=0),
+                     lambda: g.all_gather(torch.ones(1, dtype=[torch.float32, torch.int64][g.rank]))):
+            try:
+                call()
+            except CommArgumentError as e:
+                errors.append(str(e))
+        g.all_reduce_([torch.ones(3)])  # matching calls still work with the check on
+        return errors
+
+    for errors in on_threads(gs, body):
+        assert len(errors) == 3 and all("ranks [1]" in e for e in errors)

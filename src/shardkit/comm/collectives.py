@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -64,6 +65,23 @@ class Collectives:
         self._check_usable(what)
         return choose_route([t.device for t in tensors], self.backend, what)
 
+    def _check_same_args(self, what: str, tensors, extra="") -> None:
+        """With ``knobs.COMM_CHECK_ARGS``: raise on every rank if the ranks' arguments differ."""
+        if not knobs.COMM_CHECK_ARGS or self.world_size == 1:
+            return
+        desc = f"{what} {extra} " + ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors)
+        digest = int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=7).digest(), "little")
+        mine = torch.tensor([digest], dtype=torch.int64)
+        everyone = torch.empty(self.world_size, dtype=torch.int64)
+        self._wait(self._pg._allgather_base(everyone, mine), f"{what} (argument check)")
+        differ = [r for r, d in enumerate(everyone.tolist()) if d != everyone[0].item()]
+        if differ:
+            raise CommArgumentError(
+                f"{what}: ranks {differ} passed different tensors (count, shape or dtype) or "
+                f"arguments than rank 0; this rank passed {desc[len(what) + 1:][:200]!r}. "
+                "Every rank must call the collective with matching tensors."
+            )
+
     def _backend_for(self, t: torch.Tensor) -> str:
         # An NCCL group sends CPU tensors through its Gloo side, with Gloo's rules.
         return "nccl" if self.backend == "nccl" and t.is_cuda else "gloo"
@@ -102,6 +120,8 @@ class Collectives:
         op = coerce_op(op)
         for dtype, backend in {(t.dtype, self._backend_for(t)) for t in tensors}:
             plan_reduction(op, dtype, backend)  # refuse before any byte moves
+        self._check_usable("all_reduce_")
+        self._check_same_args("all_reduce_", tensors, op.name)
         self._run(tensors, "all_reduce_", stream, lambda ts: self._all_reduce_buckets(ts, op))
 
     def _all_reduce_buckets(self, tensors, op: ReduceOp) -> None:
@@ -135,6 +155,8 @@ class Collectives:
                 f"got shape {tuple(tensor.shape)}. Pad the tensor to a multiple of the world size."
             )
         plan = plan_reduction(op, tensor.dtype, self._backend_for(tensor))
+        self._check_usable("reduce_scatter")
+        self._check_same_args("reduce_scatter", [tensor], op.name)
         rows = tensor.shape[0] // self.world_size
         out = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         self._run([tensor, out], "reduce_scatter", None, lambda ts: self._reduce_scatter(*ts, plan))
@@ -164,6 +186,8 @@ class Collectives:
         """
         tensors = _tensor_list(tensors, "broadcast_")
         self._check_rank(root, "root", "broadcast_")
+        self._check_usable("broadcast_")
+        self._check_same_args("broadcast_", tensors, f"root={root}")
         self._run(tensors, "broadcast_", stream, lambda ts: self._broadcast_buckets(ts, root))
 
     def _broadcast_buckets(self, tensors, root: int) -> None:
@@ -185,7 +209,9 @@ class Collectives:
         """Every rank's ``tensor``, ordered by rank; each rank must pass the same shape and dtype."""
         tensor = _one_tensor(tensor, "all_gather")
         src = tensor
-        if self._route([tensor], "all_gather") == "host":
+        route = self._route([tensor], "all_gather")
+        self._check_same_args("all_gather", [tensor])
+        if route == "host":
             warn_fallback("all_gather")
             src = tensor.detach().cpu()
         flat_in = src.detach().contiguous().reshape(-1).view(torch.uint8)
