@@ -17,6 +17,8 @@ Example::
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from shardkit import knobs
@@ -63,18 +65,22 @@ def write_safetensors(
     ]
     header = build_header(entries, metadata)
     hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES)
-    with storage.atomic_writer(path) as f:
-        _write_hashed(f, memoryview(header), hasher)
-        for _, tensor in order:
-            _write_hashed(f, byte_view(_as_cpu_contiguous(tensor)), hasher)
-    return hasher.finish()
+    # Hashing runs on its own thread (xxhash releases the GIL), overlapped with
+    # the writes; one worker keeps the updates in file order.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-hash") as hashing:
+        with storage.atomic_writer(path) as f:
+            _write_hashed(f, memoryview(header), hasher, hashing)
+            for _, tensor in order:
+                _write_hashed(f, byte_view(_as_cpu_contiguous(tensor)), hasher, hashing)
+            pending = hashing.submit(hasher.finish)
+        return pending.result()
 
 
-def _write_hashed(f, view: memoryview, hasher: BlockHasher) -> None:
+def _write_hashed(f, view: memoryview, hasher: BlockHasher, hashing: ThreadPoolExecutor) -> None:
     step = knobs.IO_CHUNK_BYTES
     for start in range(0, len(view), step):
         piece = view[start : start + step]
-        hasher.update(piece)
+        hashing.submit(hasher.update, piece)
         written = 0
         while written < len(piece):
             n = f.write(piece[written:])
