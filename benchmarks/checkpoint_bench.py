@@ -54,7 +54,7 @@ def bench_load(state, workdir: str, reps: int) -> list[dict]:
         "torch.distributed.checkpoint.load": ("dcp", lambda p: peers.dcp_save(state, p),
                                               lambda p: peers.dcp_load(state, p)),
         "torch.load(weights_only=True)": ("pt", lambda p: peers.torch_save(state, p), peers.torch_load),
-        "safetensors.load_file": ("st", lambda p: peers.safetensors_save(state, p), peers.safetensors_load),
+        "safetensors.load_file (mmap, pages touched)": ("st", lambda p: peers.safetensors_save(state, p), peers.safetensors_load),
         "read from page cache (limit)": ("raw", lambda p: peers.raw_write(state, p),
                                          lambda p: peers.raw_read(state, p)),
     }
