@@ -19,8 +19,12 @@ save on every rank. Without a group each rank proceeds alone, as in the
 seed; the per-rank manifests then tell whether every rank finished.
 
 Saving each step into a fresh directory is the recommended use: the
-previous checkpoint is then never touched. This module does not stage
-tensors for background saving (see ``async_save``).
+previous checkpoint is then never touched. Overwriting a directory in place
+is crash-safe with a group. Without one it is not: the ranks cannot agree,
+so a crash between one rank's save and another's can leave old and new rank
+files that together look complete (nothing ties a rank manifest to one
+save). This module does not stage tensors for background saving (see
+``async_save``).
 
 Example::
 
