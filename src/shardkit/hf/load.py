@@ -49,7 +49,8 @@ def load_checkpoint(
     """Load the checkpoint in ``model_dir``, whatever its Hugging Face layout.
 
     Finds, in this order, ``model.safetensors.index.json``, ``model.safetensors``,
-    ``pytorch_model.bin.index.json``, ``pytorch_model.bin``. With a module,
+    ``pytorch_model.bin.index.json``, ``pytorch_model.bin``, and a shardkit
+    distributed checkpoint (``metadata.json``, consolidated). With a module,
     loads into it and returns None; with ``module=None`` returns the tensors
     (only ``keys`` if given). Raises ``MissingShardError`` if none is there.
     """
@@ -62,6 +63,8 @@ def load_checkpoint(
             f"model.safetensors, pytorch_model.bin.index.json and pytorch_model.bin. Check the path, "
             f"or find a complete checkpoint with find_latest_checkpoint()."
         )
+    if meta.distributed:
+        return _load_distributed(model_dir, module, device, strict, assign, keys)
     if meta.is_index:
         index = load_shard_index(model_dir, meta.file_name)
     else:
@@ -71,6 +74,26 @@ def load_checkpoint(
         assign=assign, keys=keys,
     )
     return result if module is None else None
+
+
+def _load_distributed(model_dir, module, device, strict, assign, keys):
+    """A shardkit distributed checkpoint, consolidated: whole tensors by flat name."""
+    from shardkit.checkpoint import read_metadata
+    from shardkit.hf.convert import load_distributed_flat
+
+    if module is None:
+        return {n: t.to(device) for n, t in load_distributed_flat(model_dir, keys).items()}
+    own = module.state_dict()
+    names = [n for n in read_metadata(model_dir).tensors if n in own or strict]
+    tensors = {n: t.to(device) for n, t in load_distributed_flat(model_dir, names).items()}
+    try:
+        module.load_state_dict(tensors, strict=strict, assign=assign)
+    except RuntimeError as e:
+        raise TensorMismatchError(
+            f"the distributed checkpoint in {model_dir} does not match the module ({e}); load the "
+            f"right checkpoint, or pass strict=False"
+        ) from e
+    return None
 
 
 def _single_file_index(model_dir: str, file_name: str, safetensors: bool) -> ShardIndex:

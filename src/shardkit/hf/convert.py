@@ -1,0 +1,181 @@
+"""Convert between a shardkit distributed checkpoint and a Hugging Face one, tensor by tensor.
+
+Distributed -> HF: the index is planned from ``metadata.json`` alone (names,
+full shapes, dtypes); each shard file is then streamed one whole tensor at a
+time (``load_region`` of the full box, written, dropped), so memory stays
+around the largest tensor, never the model. The index is written last.
+
+HF -> distributed: the HF shards are memory-mapped (file-backed pages the
+kernel can drop, not copies) and handed to ``save_distributed`` as one rank
+with every tensor replicated; it loads on any world size. To get a sharded
+layout, load it and save again with a ``shard_spec``. Not here: configs,
+tokenizers, optimizer state.
+
+Example::
+
+    distributed_to_hf("ckpt/step-100", "export/step-100", max_shard_size=2**30)
+    hf_to_distributed("export/step-100", "ckpt/imported")
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from typing import Dict, Optional
+
+import torch
+
+from shardkit.dtypes import from_safetensors_name
+from shardkit.errors import MetadataError, TensorMismatchError
+from shardkit.hf.bin_io import read_bin_shard
+from shardkit.hf.index import (
+    files_to_names,
+    index_file_name,
+    load_shard_index,
+    plan_shards,
+    save_shard_index,
+    shard_file_name,
+)
+from shardkit.hf.save import _remove_previous
+from shardkit.hf.shard_io import LazyTensor, shard_header, write_shard
+from shardkit.storage import LocalStorage, storage_for
+
+__all__ = ["distributed_to_hf", "hf_to_distributed", "load_distributed_flat"]
+
+
+def _saved_dtype(dist_dir: str, name: str, saved) -> torch.dtype:
+    if saved.dtype is not None:
+        return from_safetensors_name(saved.dtype)
+    # Seed-format manifests carry no dtype: read it from a shard header.
+    store, root = storage_for(dist_dir)
+    for file_name in sorted(f for f in store.listdir(root) if f.startswith("rank_") and f.endswith(".safetensors")):
+        entry = shard_header(store, store.join(root, file_name)).tensors.get(name)
+        if entry is not None:
+            return from_safetensors_name(entry.dtype)
+    raise MetadataError(f"{dist_dir}: no rank file holds tensor {name!r}; the checkpoint is incomplete")
+
+
+def distributed_to_hf(
+    dist_dir: str,
+    hf_dir: str,
+    *,
+    safetensors: bool = True,
+    max_shard_size: int = 2**31,
+    metadata: Optional[Dict] = None,
+) -> None:
+    """Write the full (unsharded) tensors of the distributed checkpoint ``dist_dir`` as an HF checkpoint.
+
+    Non-tensor leaves of the saved state go to ``metadata["shardkit_objects"]``
+    in the index. With ``safetensors=False`` each ``.bin`` shard is built in
+    memory (a shard, not the model).
+    """
+    from shardkit.checkpoint import load_region, read_metadata
+
+    manifest = read_metadata(dist_dir)
+    lazy: Dict[str, LazyTensor] = {}
+    for name, saved in manifest.tensors.items():
+        shape = tuple(saved.spec.full_shape)
+        load = (lambda n=name, s=shape: load_region(dist_dir, n, [0] * len(s), list(s)))
+        lazy[name] = LazyTensor(_saved_dtype(dist_dir, name, saved), shape, load)
+    plan = plan_shards([(n, t.nbytes) for n, t in lazy.items()], max_shard_size)
+    weight_map = {n: shard_file_name(i + 1, len(plan), safetensors) for i, names in enumerate(plan) for n in names}
+    meta = {"total_size": sum(t.nbytes for t in lazy.values()), **(metadata or {})}
+    if manifest.objects:
+        meta["shardkit_objects"] = manifest.objects
+    store, root = storage_for(hf_dir)
+    store.makedirs(root)
+    _remove_previous(store, root)
+    for file_name, names in files_to_names(weight_map, weight_map).items():
+        _write_converted(store, store.join(root, file_name), {n: lazy[n] for n in names}, safetensors)
+    save_shard_index({"metadata": meta, "weight_map": weight_map}, hf_dir, index_file_name(safetensors))
+
+
+def _write_converted(store, path: str, tensors: Dict[str, LazyTensor], safetensors: bool) -> None:
+    if safetensors:
+        write_shard(store, path, list(tensors.items()), {"format": "pt"})
+    else:
+        from shardkit.hf.bin_io import write_bin_shard
+
+        write_bin_shard(store, path, {n: t.load() for n, t in tensors.items()})
+
+
+def load_distributed_flat(dist_dir: str, keys=None) -> Dict[str, torch.Tensor]:
+    """The full tensors of a distributed checkpoint by flat dotted name (only ``keys`` if given)."""
+    from shardkit.checkpoint import load_region, read_metadata
+
+    tensors = read_metadata(dist_dir).tensors
+    names = list(tensors) if keys is None else list(keys)
+    unknown = [n for n in names if n not in tensors]
+    if unknown:
+        raise TensorMismatchError(f"keys {sorted(unknown)[:10]} are not tensors of the checkpoint in {dist_dir}")
+    out = {}
+    for name in names:
+        shape = list(tensors[name].spec.full_shape)
+        out[name] = load_region(dist_dir, name, [0] * len(shape), shape)
+    return out
+
+
+def hf_to_distributed(
+    hf_dir: str,
+    dist_dir: str,
+    *,
+    world_size: int = 1,
+    shard_spec=None,
+    metadata: Optional[Dict] = None,
+) -> None:
+    """Save the HF checkpoint in ``hf_dir`` as a distributed checkpoint in ``dist_dir``.
+
+    Writes the files of all ``world_size`` ranks from this one process, each
+    rank's slice a view of the mapped HF shards (``shard_spec`` as for
+    ``save_distributed``; ``None``: every tensor replicated). Tied names
+    (``param_sharing``) are saved under their stored name only.
+    """
+    from shardkit.checkpoint import save_distributed
+    from shardkit.hf.directory import get_checkpoint_metadata
+
+    meta = get_checkpoint_metadata(hf_dir)
+    if meta is None or meta.distributed:
+        raise MetadataError(f"{hf_dir} holds no Hugging Face checkpoint to convert")
+    if meta.is_index:
+        weight_map = load_shard_index(hf_dir, meta.file_name)["weight_map"]
+    else:
+        weight_map = None
+    store, root = storage_for(hf_dir)
+    files = [meta.file_name] if weight_map is None else list(dict.fromkeys(weight_map.values()))
+    state: Dict[str, torch.Tensor] = {}
+    for file_name in files:
+        path = store.join(root, file_name)
+        state.update(_mapped_safetensors(store, path) if meta.safetensors else read_bin_shard(store, path))
+    if weight_map is not None:
+        state = {n: state[n] for n in weight_map}
+    specs = getattr(shard_spec, "tensor_specs", None) or {}
+    for rank in reversed(range(world_size)):  # rank 0 commits metadata.json; let it go last
+        local = {n: _rank_view(t, specs.get(n), rank) for n, t in state.items()}
+        save_distributed(local, dist_dir, rank, world_size, shard_spec, metadata=metadata)
+
+
+def _rank_view(tensor: torch.Tensor, spec, rank: int) -> torch.Tensor:
+    if spec is None or spec.shard_dim is None:
+        return tensor
+    start = sum(spec.shard_sizes[:rank])
+    return tensor.narrow(spec.shard_dim, start, spec.shard_sizes[rank])
+
+
+def _mapped_safetensors(store, path: str) -> Dict[str, torch.Tensor]:
+    header = shard_header(store, path)
+    if not isinstance(store, LocalStorage) or not header.tensors:
+        from shardkit.hf.shard_io import read_shard
+
+        return read_shard(store, path, list(header.tensors),
+                          lambda n, e: torch.empty(e.shape, dtype=from_safetensors_name(e.dtype)))
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never writes the file
+    out = {}
+    for name, entry in header.tensors.items():
+        dtype = from_safetensors_name(entry.dtype)
+        count = math.prod(entry.shape)
+        if count == 0:
+            out[name] = torch.empty(entry.shape, dtype=dtype)
+            continue
+        out[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=entry.begin).reshape(entry.shape)
+    return out
