@@ -32,21 +32,24 @@ use_local_synchronization=True)``: every member rank must construct its
 checkpointer at the same point of the program, as it must anyway; ranks
 outside the group need not take part). Gloo is also what the save's
 collectives need, since they move CPU data, even when training uses NCCL.
-This needs a group that ``torch.distributed`` knows (the default group or
-one from ``new_group``). For a group it does not know, pass
-``dedicated_group=False`` and a group that nothing else uses while a save is
-in flight.
+A shardkit ``comm.Group`` is ``split`` over all its ranks instead (same
+rule: every member constructs its checkpointer at the same point). A raw
+torch ProcessGroup must be one ``torch.distributed`` knows (the default group
+or one from ``new_group``). Otherwise pass ``dedicated_group=False`` and a
+group that nothing else uses while a save is in flight.
 
 Example::
 
-    ckpt = AsyncCheckpointer("/ckpt/step-0", rank, world_size, spec, group=dist.group.WORLD)
+    ckpt = AsyncCheckpointer("/ckpt", rank, world_size, spec, group=dist.group.WORLD)
+    future = None
     for step in range(steps):
         train_step()
         if step % 1000 == 0:
+            if future is not None:
+                future.wait()  # one save at a time; raises AsyncCheckpointError if it failed
             future = ckpt.save_async(model.state_dict(), dir=f"/ckpt/step-{step}")
-            # ... training goes on; the checkpoint holds the values of `step`
-    future.wait()          # raises AsyncCheckpointError if the write failed
-    ckpt.close()           # or: with AsyncCheckpointer(...) as ckpt: ...
+            # training goes on; the checkpoint holds the values of this step
+    ckpt.close()               # waits for the last save; or: with AsyncCheckpointer(...) as ckpt:
 """
 
 from __future__ import annotations
@@ -311,16 +314,23 @@ class AsyncCheckpointer:
         import torch.distributed as dist
 
         try:
-            dist.destroy_process_group(group)
+            group.close() if hasattr(group, "close") else dist.destroy_process_group(group)
         except Exception:  # noqa: BLE001 - already gone with the default group
             pass
 
 
 def _dedicated_gloo_group(group):
-    """A new Gloo group over ``group``'s ranks, for the background thread's collectives."""
+    """A new group over ``group``'s ranks, for the background thread's collectives.
+
+    A shardkit ``comm.Group`` is split into a copy of itself (its CPU
+    tensors go over Gloo whatever its backend); a torch ProcessGroup gets a
+    new Gloo group from ``torch.distributed.new_group``.
+    """
     import torch.distributed as dist
 
-    pg = getattr(group, "process_group", group)
+    if hasattr(group, "split") and hasattr(group, "world_size") and hasattr(group, "process_group"):
+        return group.split(list(range(group.world_size)))
+    pg = group
     try:
         ranks = dist.get_process_group_ranks(pg)
     except Exception as e:  # noqa: BLE001 - not a group torch.distributed registered
