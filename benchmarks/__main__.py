@@ -13,7 +13,7 @@ import platform
 import sys
 import tempfile
 
-SUITES = ("save", "load", "async", "multirank", "comm", "hf")
+SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 
 
 def _parse_size(text: str) -> int:
@@ -37,6 +37,10 @@ def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
         from benchmarks.comm_bench import run_comm_benchmarks
 
         return run_comm_benchmarks(reps=reps)
+    if name == "ddp":
+        from benchmarks.ddp_bench import run_ddp_benchmarks
+
+        return run_ddp_benchmarks(reps=reps)
     from benchmarks.hf_bench import run_hf_benchmarks
 
     return run_hf_benchmarks(size, reps, workdir)
