@@ -125,7 +125,9 @@ _CHILD = textwrap.dedent("""
 
 
 def _peak_growth(tmp_path, mode):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    # Large blocks straight from mmap, so freed tensors leave RSS (glibc would otherwise keep
+    # some in its heap, and the test would measure the allocator, not shardkit).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "MALLOC_MMAP_THRESHOLD_": "1048576"}
     out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "dist"), str(tmp_path / "hf"), mode],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr

@@ -189,7 +189,7 @@ def load_shard_index(output_dir: str, index_name: str) -> ShardIndex:
     return index
 
 
-def check_index(index: object, index_name: str, *, source: str = "index") -> None:
+def check_index(index: object, index_name: str, *, source: str = "index", suffixes: tuple = ()) -> None:
     """Raise ``MetadataError`` unless ``index`` has the shape of a shard index with safe file names."""
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise MetadataError(
@@ -199,7 +199,7 @@ def check_index(index: object, index_name: str, *, source: str = "index") -> Non
     meta = index.get("metadata", {})
     if not isinstance(meta, dict):
         raise MetadataError(f"{source}: 'metadata' must be an object, found {type(meta).__name__}")
-    suffixes = suffix_for(".safetensors" in index_name)
+    suffixes = suffixes or suffix_for(".safetensors" in index_name)
     for name, file_name in index["weight_map"].items():
         if not isinstance(name, str):
             raise MetadataError(f"{source}: weight_map key {name!r} is not a string")

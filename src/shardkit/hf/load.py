@@ -27,6 +27,7 @@ from shardkit.hf.bin_io import read_bin_shard
 from shardkit.hf.index import (
     ShardIndex,
     alias_to_source,
+    check_index,
     files_to_names,
     load_shard_index,
     sharing_of,
@@ -124,6 +125,7 @@ def load_sharded_checkpoint(
     ``TensorMismatchError`` before any shard is read). Dict mode returns
     ``{name: tensor}`` on ``device``, tied names sharing one tensor.
     """
+    check_index(shard_index, "", source="shard_index", suffixes=(".safetensors", ".bin"))
     weight_map = shard_index["weight_map"]
     aliases = {a: s for a, s in alias_to_source(sharing_of(shard_index)).items() if s in weight_map}
     if module is None:
@@ -159,7 +161,9 @@ def _read_files(model_dir, weight_map, names, safetensors, debug, targets=None) 
                 f"the index names {file_name}, which is not in {model_dir}; the checkpoint is "
                 f"incomplete (validate_checkpoint reports it) -- load an earlier one"
             )
-        if safetensors:
+        # The extension decides (the index check allows only the expected one), so a
+        # wrong ``safetensors=`` flag cannot send a safetensors file to torch.load.
+        if file_name.endswith(".safetensors"):
             out.update(_read_safetensors(store, path, in_file, targets or {}))
         else:
             out.update(_read_bin(path, store, in_file))
