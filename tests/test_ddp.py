@@ -1,0 +1,235 @@
+"""shardkit.ddp.DistributedDataParallel: equal to one process training on the whole batch.
+
+Ranks are threads of ``Group.local`` (fast) and, once, real Gloo processes
+(``comm_ranks.spawn_ranks``). Everything is float64 so "equal" can be tight.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from comm_ranks import spawn_ranks
+from shardkit.comm import Group, UniqueId
+from shardkit.ddp import DistributedDataParallel
+
+F64 = torch.float64
+TINY_BUCKETS_MB = 200 / 2**20  # ~200 bytes: several buckets, launched during backward
+
+
+def on_threads(groups, fn, *args):
+    """``fn(group, *args)`` on one thread per group; results by rank, first error re-raised."""
+    results, errors = [None] * len(groups), []
+
+    def run(g):
+        try:
+            results[g.rank] = fn(g, *args)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(g,), daemon=True) for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank thread hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.fixture
+def groups2():
+    gs = Group.local(2)
+    yield gs
+    for g in gs:
+        g.close()
+
+
+def make_net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3)).to(F64)
+
+
+def batch(step: int, rank: int, rows: int = 4):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(rows, 6, generator=g, dtype=F64), torch.randn(rows, 3, generator=g, dtype=F64)
+
+
+def params_of(module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def train_rank(group, steps: int, bucket_cap_mb: float = 25, micro: int = 1):
+    """SGD on this rank's data; ``micro`` > 1 accumulates micro-batches under ``no_sync``."""
+    rank = 0 if group is None else group.rank
+    net = make_net(seed=100 + rank)  # different on every rank: DDP must start them equal
+    ddp = DistributedDataParallel(net, group, bucket_cap_mb=bucket_cap_mb)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.5)
+    local_grads = []
+    for s in range(steps):
+        for m in range(micro):
+            x, y = batch(s * micro + m, rank)
+            ctx = ddp.no_sync() if m < micro - 1 else torch.enable_grad()
+            with ctx:
+                (nn.functional.mse_loss(ddp(x), y) / micro).backward()
+            if m < micro - 1:
+                local_grads.append(params_of_grads(net))
+        opt.step()
+        opt.zero_grad()
+    ddp.close()
+    return params_of(net), local_grads
+
+
+def params_of_grads(module):
+    return [p.grad.detach().clone() for p in module.parameters()]
+
+
+def train_reference(world_size: int, steps: int, micro: int = 1):
+    """One process, the same steps on every rank's (and micro-batch's) data at once."""
+    net = make_net(seed=100)
+    opt = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.5)
+    for s in range(steps):
+        parts = [batch(s * micro + m, r) for m in range(micro) for r in range(world_size)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return params_of(net)
+
+
+def assert_all_close(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25, TINY_BUCKETS_MB])
+def test_two_ranks_equal_each_other_and_the_single_process_reference(groups2, bucket_cap_mb):
+    (p0, _), (p1, _) = on_threads(groups2, train_rank, 3, bucket_cap_mb)
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert_all_close(p0, train_reference(2, 3))
+
+
+def test_three_ranks_many_buckets():
+    groups = Group.local(3)
+    try:
+        results = on_threads(groups, train_rank, 2, TINY_BUCKETS_MB)
+    finally:
+        for g in groups:
+            g.close()
+    for params, _ in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0], params))
+    assert_all_close(results[0][0], train_reference(3, 2))
+
+
+def test_no_sync_accumulation_equals_one_big_step(groups2):
+    (p0, local0), (p1, local1) = on_threads(groups2, train_rank, 2, TINY_BUCKETS_MB, 3)
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert_all_close(p0, train_reference(2, 2, micro=3))
+    # inside no_sync nothing was exchanged: the ranks' local gradients differ
+    assert not torch.equal(local0[0][0], local1[0][0])
+
+
+def _buffers(group, broadcast_buffers):
+    torch.manual_seed(0)
+    net = nn.BatchNorm1d(3).to(F64)
+    net.running_mean.fill_(float(group.rank + 1))
+    ddp = DistributedDataParallel(net, group, broadcast_buffers=broadcast_buffers)
+    at_start = net.running_mean.clone()
+    if group.rank == 1:
+        net.running_var.fill_(7.0)  # rank 1 drifts; the next forward decides who wins
+    before_forward = []
+    orig_forward = net.forward
+
+    def spy(x):
+        before_forward.append(net.running_var.clone())
+        return orig_forward(x)
+
+    net.forward = spy
+    ddp(torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(group.rank)))
+    return at_start, before_forward[0]
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_buffers_start_equal_and_are_broadcast_before_forward(groups2, broadcast_buffers):
+    (start0, var0), (start1, var1) = on_threads(groups2, _buffers, broadcast_buffers)
+    assert torch.equal(start0, torch.ones(3, dtype=F64)) and torch.equal(start1, start0)
+    assert torch.equal(var0, torch.ones(3, dtype=F64))
+    expected = torch.ones(3, dtype=F64) if broadcast_buffers else torch.full((3,), 7.0, dtype=F64)
+    assert torch.equal(var1, expected)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Linear(4, 4).to(F64)
+        self.frozen = nn.Linear(4, 4).to(F64).requires_grad_(False)
+        self.a = nn.Linear(4, 1).to(F64)
+        self.b = nn.Linear(4, 1).to(F64)
+        self.never = nn.Linear(4, 1).to(F64)
+
+    def forward(self, x, use_b):
+        h = self.frozen(torch.tanh(self.body(x)))
+        return self.a(h) + (self.b(h) if use_b else 0)
+
+
+def _frozen_and_unused(group):
+    net = TwoHeads(seed=group.rank)
+    frozen_at_start = params_of(net.frozen)
+    ddp = DistributedDataParallel(net, group, bucket_cap_mb=TINY_BUCKETS_MB)
+    x = torch.randn(5, 4, dtype=F64, generator=torch.Generator().manual_seed(group.rank))
+    ddp(x, use_b=group.rank == 0).sum().backward()
+    # what rank 0 would get alone, for head b
+    solo = TwoHeads(seed=0)
+    solo(x, use_b=True).sum().backward()
+    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in net.named_parameters()}
+    return frozen_at_start, params_of(net.frozen), grads, params_of_grads(solo.b)
+
+
+def test_frozen_param_is_broadcast_only_and_unused_param_counts_as_zero(groups2):
+    (f_start0, f0, g0, solo_b), (f_start1, f1, g1, _) = on_threads(groups2, _frozen_and_unused)
+    assert not torch.equal(f_start0[0], f_start1[0])  # they did start different
+    assert all(torch.equal(a, b) for a, b in zip(f0, f1))
+    assert all(torch.equal(a, b) for a, b in zip(f0, f_start0))
+    assert g0["frozen.weight"] is None and g1["frozen.weight"] is None
+    for name in g0:
+        if g0[name] is not None:
+            assert torch.equal(g0[name], g1[name]), name
+    # b used on rank 0 only: average of rank 0's gradient and zero
+    torch.testing.assert_close(g0["b.weight"], solo_b[0] / 2, rtol=1e-12, atol=1e-12)
+    # never used anywhere: a zero gradient (documented), not None
+    assert torch.equal(g0["never.weight"], torch.zeros(1, 4, dtype=F64))
+
+
+def test_world_size_one_and_no_group_are_pass_through():
+    (plain, _) = train_rank(None, 2)
+    assert_all_close(plain, train_reference(1, 2))
+    (g,) = Group.local(1)
+    with g:
+        (one, _) = train_rank(g, 2)
+    assert all(torch.equal(a, b) for a, b in zip(plain, one))
+    net = make_net(0)
+    ddp = DistributedDataParallel(net, None)
+    assert ddp.module is net
+    x = torch.ones(2, 6, dtype=F64)
+    assert torch.equal(ddp(x), net(x))
+    with ddp.no_sync():
+        ddp(x).sum().backward()
+    assert net[0].weight.grad is not None
+
+
+def _proc_train(rank, world_size, uid_bytes, steps):
+    with Group.init_rank(rank, world_size, UniqueId.from_bytes(uid_bytes), backend="gloo", timeout=30) as g:
+        params, _ = train_rank(g, steps, TINY_BUCKETS_MB, 2)
+        return [p.tolist() for p in params]  # plain lists survive the rank's exit
+
+
+def test_real_gloo_processes_match_the_reference():
+    p0, p1 = spawn_ranks(_proc_train, 2, 2)
+    assert p0 == p1
+    assert_all_close([torch.tensor(p, dtype=F64) for p in p0], train_reference(2, 2, micro=2))
