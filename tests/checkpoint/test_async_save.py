@@ -145,7 +145,7 @@ def test_without_reuse_no_buffers_are_kept(fake, tmp_path):
 def test_staging_failure_raises_at_once_and_frees_the_slot(fake, tmp_path, monkeypatch):
     ckpt = _ckpt(tmp_path)
 
-    def boom(state, buffers):
+    def boom(state, buffers, *args):
         raise MemoryError("host memory exhausted")
 
     monkeypatch.setattr(async_save, "_stage", boom)
@@ -340,3 +340,31 @@ def test_real_async_save_over_a_shardkit_group(tmp_path):
         for g in groups:
             g.close()
     assert torch.equal(load_distributed(tmp_path / "ck", 0, 1)["w"], torch.tensor([0.0, 0.0, 1.0, 1.0]))
+
+
+def test_host_copier_chunks_and_falls_back_bit_exact(monkeypatch):
+    from shardkit import knobs
+
+    monkeypatch.setattr(knobs, "IO_CHUNK_BYTES", 1000)  # many chunks, spread over the pool
+    monkeypatch.setattr(knobs, "IO_THREADS", 3)
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(40, 300, generator=g)
+    state = {
+        "big": big,
+        "offset_view": big[7:19],                     # storage offset, contiguous
+        "strided": big[:, ::3],                       # non-contiguous: copy_ fallback
+        "bf16": torch.randn(1234, generator=g).to(torch.bfloat16),
+        "bool": torch.rand(999, generator=g) > 0.5,
+        "i8": torch.randint(-128, 127, (3001,), generator=g, dtype=torch.int8),
+        "zero_d": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 5),
+        "conj": torch.randn(10, generator=g, dtype=torch.complex64).conj(),  # lazy conj bit: copy_ fallback
+    }
+    copier = async_save._HostCopier()
+    staged, _ = async_save._stage(state, {}, copier)
+    copier.close()
+    for name, t in state.items():
+        got = staged[name]
+        assert got.shape == t.shape and got.dtype == t.dtype and got.is_contiguous(), name
+        assert torch.equal(got.resolve_conj(), t.resolve_conj()), name
+        assert got.numel() == 0 or got.data_ptr() != t.data_ptr(), name
