@@ -15,9 +15,12 @@ from torch import nn
 from comm_ranks import spawn_ranks
 from shardkit.comm import Group, UniqueId
 from shardkit.ddp import DistributedDataParallel
+from shardkit.errors import CommError
 
 F64 = torch.float64
 TINY_BUCKETS_MB = 200 / 2**20  # ~200 bytes: several buckets, launched during backward
+# Rank threads share torch's global RNG: seeding and initialising a model must not interleave.
+INIT_LOCK = threading.RLock()
 
 
 def on_threads(groups, fn, *args):
@@ -50,8 +53,9 @@ def groups2():
 
 
 def make_net(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3)).to(F64)
+    with INIT_LOCK:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3)).to(F64)
 
 
 def batch(step: int, rank: int, rows: int = 4):
@@ -135,8 +139,7 @@ def test_no_sync_accumulation_equals_one_big_step(groups2):
 
 
 def _buffers(group, broadcast_buffers):
-    torch.manual_seed(0)
-    net = nn.BatchNorm1d(3).to(F64)
+    net = nn.BatchNorm1d(3).to(F64)  # deterministic init: no RNG
     net.running_mean.fill_(float(group.rank + 1))
     ddp = DistributedDataParallel(net, group, broadcast_buffers=broadcast_buffers)
     at_start = net.running_mean.clone()
@@ -166,12 +169,13 @@ def test_buffers_start_equal_and_are_broadcast_before_forward(groups2, broadcast
 class TwoHeads(nn.Module):
     def __init__(self, seed):
         super().__init__()
-        torch.manual_seed(seed)
-        self.body = nn.Linear(4, 4).to(F64)
-        self.frozen = nn.Linear(4, 4).to(F64).requires_grad_(False)
-        self.a = nn.Linear(4, 1).to(F64)
-        self.b = nn.Linear(4, 1).to(F64)
-        self.never = nn.Linear(4, 1).to(F64)
+        with INIT_LOCK:
+            torch.manual_seed(seed)
+            self.body = nn.Linear(4, 4).to(F64)
+            self.frozen = nn.Linear(4, 4).to(F64).requires_grad_(False)
+            self.a = nn.Linear(4, 1).to(F64)
+            self.b = nn.Linear(4, 1).to(F64)
+            self.never = nn.Linear(4, 1).to(F64)
 
     def forward(self, x, use_b):
         h = self.frozen(torch.tanh(self.body(x)))
@@ -233,3 +237,18 @@ def test_real_gloo_processes_match_the_reference():
     p0, p1 = spawn_ranks(_proc_train, 2, 2)
     assert p0 == p1
     assert_all_close([torch.tensor(p, dtype=F64) for p in p0], train_reference(2, 2, micro=2))
+
+
+def _backward_on_closed_group(group):
+    ddp = DistributedDataParallel(make_net(0), group, bucket_cap_mb=TINY_BUCKETS_MB)
+    group.close()
+    with pytest.raises(CommError):
+        ddp(torch.ones(2, 6, dtype=F64)).sum().backward()
+    # the failed step left nothing behind: a no_sync step still works
+    with ddp.no_sync():
+        ddp(torch.ones(2, 6, dtype=F64)).sum().backward()
+    return True
+
+
+def test_a_failed_reduction_raises_from_backward_instead_of_hanging(groups2):
+    assert on_threads(groups2, _backward_on_closed_group) == [True, True]
