@@ -143,6 +143,8 @@ def _load_rows(state, nbytes, reps, workdir) -> list[dict]:
     targets = [torch.empty_like(t) for t in state.values()]
     single = os.path.join(hub_dir, "model.safetensors")
     case, case_dict = "hf load into module (warm cache)", "hf load as dict (warm cache)"
+    load_torch_model(model, hub_dir, strict=True)  # untimed: first touch of the module's memory
+    _raw_read(targets, os.path.join(hub_dir, "raw.bin"))
     ours = time_reps(lambda: load_checkpoint(ours_dir, model), reps)
     hub = time_reps(lambda: load_torch_model(model, hub_dir, strict=True), reps)
     ours_on_hub = time_reps(lambda: load_checkpoint(hub_dir, model), reps)

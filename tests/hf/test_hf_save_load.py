@@ -213,3 +213,16 @@ def test_index_metadata_is_kept(tmp_path):
     save_checkpoint(str(tmp_path), {"a": torch.zeros(1)}, metadata={"step": 5}, safetensors=True)
     meta = json.loads((tmp_path / "model.safetensors.index.json").read_text())["metadata"]
     assert meta == {"total_size": 4, "step": 5}
+
+
+def test_bad_arguments_are_typed_errors(tmp_path):
+    from shardkit.errors import MetadataError
+    from shardkit.hf import maybe_delete_oldest_checkpoint
+
+    with pytest.raises(MetadataError, match="max_shard_size"):
+        save_checkpoint(str(tmp_path), {"a": torch.zeros(1)}, safetensors=True, max_shard_size=0)
+    save_checkpoint(str(tmp_path), {"a": torch.zeros(1)}, safetensors=True)
+    with pytest.raises(TensorMismatchError, match="nn.Module"):
+        load_checkpoint(str(tmp_path), {"a": torch.zeros(1)})
+    with pytest.raises(MetadataError, match="max_checkpoints"):
+        maybe_delete_oldest_checkpoint(str(tmp_path), -1)

@@ -5,7 +5,9 @@ on shardkit storage: atomic files, index written last, hostile-input checks,
 tied parameters stored once (``param_sharing``) and retied on load, ``.bin``
 only through ``torch.load(weights_only=True)``. Files are the layout
 ``transformers`` and ``huggingface_hub`` read and write. Not here:
-distributed (per-rank) checkpoints -- see ``shardkit.checkpoint``.
+writing distributed (per-rank) checkpoints -- see ``shardkit.checkpoint``; this
+package converts between the two (``distributed_to_hf``, ``hf_to_distributed``)
+and its directory utilities recognise both.
 
 Example::
 
@@ -14,6 +16,7 @@ Example::
     load_checkpoint("out/model", model)
 """
 
+from shardkit.hf.convert import distributed_to_hf, hf_to_distributed
 from shardkit.hf.directory import (
     CheckpointMeta,
     checkpoint_problems,
@@ -47,8 +50,10 @@ __all__ = [
     "checkpoint_problems",
     "create_pretrained_symlinks",
     "create_sharing_metadata",
+    "distributed_to_hf",
     "find_latest_checkpoint",
     "get_checkpoint_metadata",
+    "hf_to_distributed",
     "index_file_name",
     "list_checkpoints",
     "load_checkpoint",

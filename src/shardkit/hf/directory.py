@@ -210,7 +210,7 @@ def maybe_delete_oldest_checkpoint(
     first, so a crash mid-delete leaves an incomplete, ignored directory.
     """
     if max_checkpoints < 0:
-        raise ValueError(f"max_checkpoints must be >= 0, got {max_checkpoints}")
+        raise MetadataError(f"max_checkpoints must be >= 0 (how many complete checkpoints to keep), got {max_checkpoints}")
     keep = {os.path.realpath(p) for p in [best_checkpoint, *(preserved_checkpoints or [])] if p}
     existing = list_checkpoints(model_dir)
     excess = len(existing) - max_checkpoints

@@ -80,7 +80,10 @@ def plan_shards(name_bytes: Sequence[tuple[str, int]], max_shard_bytes: int) -> 
     [['a'], ['b'], ['c'], ['d']]
     """
     if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_bytes}")
+        raise MetadataError(
+            f"max_shard_size must be a positive number of bytes, got {max_shard_bytes!r}; "
+            f"e.g. 2**31 for 2 GiB shards"
+        )
     shards: list[list[str]] = []
     current: list[str] = []
     current_bytes = 0

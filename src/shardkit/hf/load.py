@@ -125,6 +125,10 @@ def load_sharded_checkpoint(
     ``TensorMismatchError`` before any shard is read). Dict mode returns
     ``{name: tensor}`` on ``device``, tied names sharing one tensor.
     """
+    if module is not None and not isinstance(module, Module):
+        raise TensorMismatchError(
+            f"module must be an nn.Module to load into, or None to get a dict; got {type(module).__name__}"
+        )
     check_index(shard_index, "", source="shard_index", suffixes=(".safetensors", ".bin"))
     weight_map = shard_index["weight_map"]
     aliases = {a: s for a, s in alias_to_source(sharing_of(shard_index)).items() if s in weight_map}
