@@ -323,8 +323,6 @@ def test_a_shardkit_group_is_split_into_a_dedicated_one_and_closed_with_the_chec
             g.close()
 
 
-@pytest.mark.xfail(strict=True, reason="core: save_distributed's resolve_group/exchange call torch.distributed "
-                   "functions that need the default process group, which a shardkit Group does not register")
 def test_real_async_save_over_a_shardkit_group(tmp_path):
     from shardkit.comm import Group
 

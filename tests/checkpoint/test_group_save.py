@@ -72,3 +72,31 @@ def test_save_on_4_with_group_load_on_3(tmp_path):
     for rank in (0, 1, 3):
         assert errors[rank][0] == "CheckpointError" and "failed on rank 2" in errors[rank][1]
     assert not (tmp_path / "bad" / "metadata.json").exists()
+
+
+def test_save_over_shardkit_local_group_then_load_on_3(tmp_path):
+    """A shardkit comm.Group (threads, standalone Gloo) coordinates a save like a torch group."""
+    import threading
+
+    from shardkit.comm import Group
+
+    spec = ShardMetadata(2, {"w": TensorShardSpec((6, 2), 0, (3, 3))})
+    full = torch.arange(12.0).reshape(6, 2)
+    groups = Group.local(2)
+    errors = []
+
+    def save(g):
+        try:
+            save_distributed({"w": full[3 * g.rank: 3 * g.rank + 3].clone(), "step": 1}, str(tmp_path / "ck"),
+                             g.rank, 2, spec, group=g)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(g,)) for g in groups]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    for g in groups:
+        g.close()
+    assert not errors
+    parts = [load_distributed(str(tmp_path / "ck"), r, 3)["w"] for r in range(3)]
+    assert torch.equal(torch.cat(parts), full)

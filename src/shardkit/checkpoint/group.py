@@ -10,8 +10,8 @@ ranks instead of leaving them blocked.
 
 Example::
 
-    pg = resolve_group(group, rank, world_size)
-    statuses = exchange(pg, {"ok": True})      # one dict per rank, by rank
+    coordinator = resolve_group(group, rank, world_size)
+    statuses = exchange(coordinator, {"ok": True})      # one dict per rank, by rank
 """
 
 from __future__ import annotations
@@ -26,51 +26,63 @@ from shardkit.errors import MetadataError
 __all__ = ["resolve_group", "exchange"]
 
 
+class _TorchGroup:
+    """A torch ``ProcessGroup`` seen through the one collective a save needs."""
+
+    def __init__(self, pg):
+        import torch.distributed as dist
+
+        self.pg = pg
+        self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
+        self.backend = dist.get_backend(pg)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(out, tensor, group=self.pg)
+        return out
+
+
 def resolve_group(group: Any, rank: int, world_size: int):
-    """The torch ProcessGroup behind ``group`` (None for none), checked against rank and world size."""
+    """What coordinates a save: None (no group, or a group of one) or an object with
+    ``rank``, ``world_size``, ``backend`` and ``all_gather(tensor) -> list``, checked
+    against ``rank`` and ``world_size``.
+
+    A shardkit ``comm.Group`` is used as it is (its timeouts and abort apply); a
+    torch ``ProcessGroup``, or another object's ``.process_group``, is wrapped.
+    """
     if group is None:
         return None
-    pg = group.process_group if hasattr(group, "process_group") else group
-    if pg is None:
-        return None
     import torch.distributed as dist
 
-    if not isinstance(pg, dist.ProcessGroup):
-        raise TypeError(f"group must be None, a torch ProcessGroup or an object with .process_group, "
-                        f"got {type(group).__name__}")
-    found_rank, found_world = dist.get_rank(pg), dist.get_world_size(pg)
-    if (found_rank, found_world) != (rank, world_size):
+    pg = getattr(group, "process_group", group)
+    if pg is None:
+        return None                      # a group of one: nothing to coordinate
+    if all(hasattr(group, a) for a in ("all_gather", "rank", "world_size", "backend")):
+        coordinator = group
+    elif isinstance(pg, dist.ProcessGroup):
+        coordinator = _TorchGroup(pg)
+    else:
+        raise TypeError(f"group must be None, a torch ProcessGroup, a shardkit comm.Group or an object "
+                        f"with a .process_group, got {type(group).__name__}")
+    if (coordinator.rank, coordinator.world_size) != (rank, world_size):
         raise MetadataError(
             f"save called with rank {rank} of world_size {world_size}, but this process is rank "
-            f"{found_rank} of {found_world} in the group; pass the group's own rank and size"
+            f"{coordinator.rank} of {coordinator.world_size} in the group; pass the group's own rank and size"
         )
-    return pg
+    return coordinator
 
 
-def _device(pg) -> torch.device:
-    import torch.distributed as dist
-
-    if dist.get_backend(pg) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def exchange(pg, value: Any) -> list[Any]:
+def exchange(group, value: Any) -> list[Any]:
     """Every rank's ``value`` (JSON-serialisable), in rank order. A collective: all ranks call it."""
-    import torch.distributed as dist
-
-    device = _device(pg)
-    world = dist.get_world_size(pg)
+    device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
     payload = json.dumps(value, separators=(",", ":")).encode("utf-8")
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    lengths = [torch.zeros_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=pg)
+    lengths = group.all_gather(torch.tensor([len(payload)], dtype=torch.int64, device=device))
     longest = max(int(n.item()) for n in lengths)
     mine = torch.zeros(longest, dtype=torch.uint8)
     if payload:
         mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    mine = mine.to(device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=pg)
+    gathered = group.all_gather(mine.to(device))
     return [json.loads(bytes(t[: int(n.item())].cpu().numpy()).decode("utf-8"))
             for t, n in zip(gathered, lengths)]

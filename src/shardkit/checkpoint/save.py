@@ -80,12 +80,13 @@ def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=Non
     >>> save_distributed({"w": torch.ones(4)}, "/tmp/ck", 0, 1, None)
     """
     check_world(rank, world_size)
-    pg = resolve_group(group, rank, world_size)
+    coordinator = resolve_group(group, rank, world_size)
     storage, directory = storage_for(dir)
-    if pg is None:
+    if coordinator is None:
         _save_alone(storage, directory, _prepare(state_dict, rank, world_size, shard_spec, metadata))
     else:
-        _save_with_group(storage, directory, pg, lambda: _prepare(state_dict, rank, world_size, shard_spec, metadata))
+        _save_with_group(storage, directory, coordinator,
+                         lambda: _prepare(state_dict, rank, world_size, shard_spec, metadata))
 
 
 def _prepare(state_dict, rank, world_size, shard_spec, user_metadata) -> _Prepared:
@@ -165,9 +166,9 @@ def _save_alone(storage: Storage, directory: str, prep: _Prepared) -> None:
         _commit(storage, directory, prep, records)
 
 
-def _save_with_group(storage: Storage, directory: str, pg, prepare) -> None:
+def _save_with_group(storage: Storage, directory: str, coordinator, prepare) -> None:
     prep, exc = _attempt(prepare)
-    statuses = exchange(pg, {"error": _describe(exc), "digest": prep.digest if prep else None})
+    statuses = exchange(coordinator, {"error": _describe(exc), "digest": prep.digest if prep else None})
     _raise_first(statuses, exc, "preparing the save")
     if len({s["digest"] for s in statuses}) > 1:
         raise TensorMismatchError(
@@ -175,16 +176,16 @@ def _save_with_group(storage: Storage, directory: str, pg, prepare) -> None:
             "between ranks); every rank must pass the same structure and shard_spec")
     rank = prep.plan.rank
     _, exc = _attempt(lambda: _withdraw(storage, directory, rank))
-    _raise_first(exchange(pg, {"error": _describe(exc)}), exc, "withdrawing the previous metadata")
+    _raise_first(exchange(coordinator, {"error": _describe(exc)}), exc, "withdrawing the previous metadata")
     records, exc = _attempt(lambda: _write_rank_files(storage, directory, prep))
-    statuses = exchange(pg, {"error": _describe(exc),
-                             "files": {f: r.to_json() for f, r in (records or {}).items()}})
+    statuses = exchange(coordinator, {"error": _describe(exc),
+                                      "files": {f: r.to_json() for f, r in (records or {}).items()}})
     _raise_first(statuses, exc, "writing the data files")
     exc = None
     if rank == 0:
         every = {f: FileRecord.from_json(f, r) for s in statuses for f, r in s["files"].items()}
         _, exc = _attempt(lambda: _commit(storage, directory, prep, every))
-    _raise_first(exchange(pg, {"error": _describe(exc)}), exc, "writing metadata.json")
+    _raise_first(exchange(coordinator, {"error": _describe(exc)}), exc, "writing metadata.json")
 
 
 def _attempt(fn):
