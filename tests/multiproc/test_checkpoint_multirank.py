@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -28,10 +29,12 @@ from shardkit.checkpoint import (
     validate_distributed,
 )
 from shardkit.checkpoint.async_save import AsyncCheckpointer
+from shardkit.errors import AsyncCheckpointError
 
 pytestmark = pytest.mark.multiproc
 
 SAVE_WORLD = 4
+INCOMPLETE_WORDS = re.compile(r"incomplete|missing|never finished|no metadata|does not exist", re.I)
 
 #: name -> (shape, dtype, shard_dim, shard sizes when saved on 4 ranks, or None for replicated)
 TENSORS = {
@@ -178,10 +181,24 @@ def _save_on_four(rank, world_size, root):
         future = ckpt.save_async(nested_state(rank, seed=1), dir=os.path.join(root, "async_2"))
     assert future.done()
 
+    # A save that fails on rank 2 only fails on every rank; the same checkpointers then save fine.
+    with AsyncCheckpointer(os.path.join(root, "async_fail"), rank, world_size, spec(), group=group) as ckpt:
+        bad = nested_state(rank)
+        if rank == 2:
+            bad["model"]["layers"]["0"]["w"] = torch.zeros(1, 6, dtype=torch.bfloat16)
+        future = ckpt.save_async(bad)
+        try:
+            future.wait(timeout=60)
+            failure = None
+        except AsyncCheckpointError as e:
+            failure = str(e)
+        ckpt.save_async(nested_state(rank), dir=os.path.join(root, "async_after_fail")).wait()
+
     # Two 2-rank groups, {0, 1} and {2, 3}, each saving asynchronously while it trains.
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = pairs[rank // 2]
-    return _pair_async_while_training(rank % 2, pair, os.path.join(root, f"pair{rank // 2}"))
+    sums = _pair_async_while_training(rank % 2, pair, os.path.join(root, f"pair{rank // 2}"))
+    return {"sums": sums, "failure": failure}
 
 
 def _load_as_3_4_5(rank, world_size, root):
@@ -194,7 +211,7 @@ def _load_as_3_4_5(rank, world_size, root):
     for world in (3, 4, 5):
         if rank >= world:
             continue
-        for name in ("with_group", "no_group", "async", "async_2"):
+        for name in ("with_group", "no_group", "async", "async_2", "async_after_fail"):
             try:
                 loaded = load_distributed(os.path.join(root, name), rank, world)
                 assert_loaded(loaded, rank, world, f"{name} on {world}", seed=1 if name == "async_2" else 0)
@@ -239,8 +256,10 @@ def _pair_async_while_training(rank, pair, root):
 @pytest.fixture(scope="module")
 def four_rank_saves(tmp_path_factory):
     root = tmp_path_factory.mktemp("multirank")
-    sums = run_ranks(_save_on_four, SAVE_WORLD, root, str(root))
-    assert sums == [[40.0, 40.0, 40.0]] * SAVE_WORLD  # 20 all_reduces of 1 over 2 ranks, undisturbed
+    results = run_ranks(_save_on_four, SAVE_WORLD, root, str(root))
+    # 20 all_reduces of 1 over 2 ranks per save, undisturbed by the saves' own collectives
+    assert [r["sums"] for r in results] == [[40.0, 40.0, 40.0]] * SAVE_WORLD
+    (root / "failures.json").write_text(json.dumps([r["failure"] for r in results]))
     return root
 
 
@@ -250,18 +269,27 @@ def loads(four_rank_saves):
     return {(name, world, rank): out for rank, d in enumerate(per_rank) for (name, world), out in d.items()}
 
 
-@pytest.mark.parametrize("name", ["with_group", "no_group", "async", "async_2"])
+@pytest.mark.parametrize("name", ["with_group", "no_group", "async", "async_2", "async_after_fail"])
 def test_saved_on_4_is_complete(four_rank_saves, name):
     report = validate_distributed(os.path.join(four_rank_saves, name))
     assert report.ok, report.problems
 
 
 @pytest.mark.parametrize("world", [3, 4, 5])
-@pytest.mark.parametrize("name", ["with_group", "no_group", "async", "async_2"])
+@pytest.mark.parametrize("name", ["with_group", "no_group", "async", "async_2", "async_after_fail"])
 def test_load_on_world_bit_exact(loads, name, world):
     """async: the values at save_async, not the ones mutated right after; async_2: the second save's."""
     failures = {rank: loads[(name, world, rank)] for rank in range(world) if loads[(name, world, rank)]}
     assert not failures, failures
+
+
+def test_async_failure_on_one_rank_fails_the_save_on_every_rank(four_rank_saves):
+    failures = json.loads((four_rank_saves / "failures.json").read_text())
+    assert all(failures), f"some ranks' wait() did not raise: {failures}"
+    assert "shape" in failures[2], failures[2]
+    assert all("rank 2" in f for i, f in enumerate(failures) if i != 2), failures
+    report = validate_distributed(os.path.join(four_rank_saves, "async_fail"))
+    assert not report.ok and INCOMPLETE_WORDS.search(" ".join(report.problems)), report.problems
 
 
 def test_replicated_tensors_written_once_by_spread_owners(four_rank_saves):

@@ -30,7 +30,9 @@ the checkpointer therefore creates its own Gloo group over the same ranks,
 once, in the constructor (``torch.distributed.new_group(...,
 use_local_synchronization=True)``: every member rank must construct its
 checkpointer at the same point of the program, as it must anyway; ranks
-outside the group need not take part). Gloo is also what the save's
+outside the group need not take part). That group lives until the default
+process group is destroyed (see ``_destroy_own_group`` for why), so create
+one checkpointer per group and reuse it rather than one per save. Gloo is also what the save's
 collectives need, since they move CPU data, even when training uses NCCL.
 A shardkit ``comm.Group`` is ``split`` over all its ranks instead (same
 rule: every member constructs its checkpointer at the same point). A raw
@@ -233,7 +235,7 @@ class AsyncCheckpointer:
             future.wait(timeout)
 
     def close(self) -> None:
-        """Wait for the save in flight, free the staging buffers and the dedicated group.
+        """Wait for the save in flight, free the staging buffers (and a split shardkit Group).
 
         Raises the last save's failure unless a ``wait()`` already raised it.
         Idempotent. A closed checkpointer refuses ``save_async``.
@@ -314,14 +316,13 @@ class AsyncCheckpointer:
 
     def _destroy_own_group(self) -> None:
         group, self._own_group = self._own_group, None
-        if group is None:
-            return
-        import torch.distributed as dist
-
-        try:
-            group.close() if hasattr(group, "close") else dist.destroy_process_group(group)
-        except Exception:  # noqa: BLE001 - already gone with the default group
-            pass
+        # A torch group is left alive on purpose: torch names a group made with
+        # use_local_synchronization after its ranks and the number of live groups, so
+        # destroying it would give the next checkpointer's group the same name and
+        # store keys, and its ranks would rendezvous with stale keys and hang.
+        # It is freed with the default process group.
+        if group is not None and hasattr(group, "close"):
+            group.close()  # a shardkit Group split: its own store prefix, safe to close
 
 
 def _dedicated_gloo_group(group):
