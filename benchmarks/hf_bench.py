@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 
 import torch
 
@@ -107,6 +108,23 @@ def _raw_read(targets: list[torch.Tensor], path: str) -> None:
         os.close(fd)
 
 
+def _interleaved(impls: dict, reps: int, setup=None) -> dict[str, dict]:
+    """Time each ``impls[name]()`` ``reps`` times, one of each per round, so drift on a shared
+    machine hits every row alike; ``setup()`` (or the impl's own, given as ``(fn, setup)``)
+    runs untimed before every call."""
+    samples: dict[str, list[dict]] = {name: [] for name in impls}
+    for _ in range(max(1, reps)):
+        for name, impl in impls.items():
+            fn, own_setup = impl if isinstance(impl, tuple) else (impl, setup)
+            samples[name].append(time_reps(fn, 1, own_setup))
+    return {name: _merge(runs) for name, runs in samples.items()}
+
+
+def _merge(runs: list[dict]) -> dict:
+    times = [r["median_s"] for r in runs]
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+
 def _save_rows(state, nbytes, reps, workdir) -> list[dict]:
     from huggingface_hub import save_torch_state_dict
 
@@ -114,11 +132,13 @@ def _save_rows(state, nbytes, reps, workdir) -> list[dict]:
 
     d = os.path.join(workdir, "hf-save")
     case = "hf save (safetensors)"
-    setup = lambda: _fresh(d)  # noqa: E731
-    ours = time_reps(lambda: save_checkpoint(d, state, safetensors=True), reps, setup)
-    hub = time_reps(lambda: save_torch_state_dict(state, d), reps, setup)
-    hub_sync = time_reps(lambda: (save_torch_state_dict(state, d), _fsync_tree(d)), reps, setup)
-    raw = time_reps(lambda: _raw_write(state, os.path.join(d, "raw.bin")), reps, setup)
+    t = _interleaved({
+        "ours": lambda: save_checkpoint(d, state, safetensors=True),
+        "hub": lambda: save_torch_state_dict(state, d),
+        "hub_sync": lambda: (save_torch_state_dict(state, d), _fsync_tree(d)),
+        "raw": lambda: _raw_write(state, os.path.join(d, "raw.bin")),
+    }, reps, lambda: _fresh(d))
+    ours, hub, hub_sync, raw = t["ours"], t["hub"], t["hub_sync"], t["raw"]
     shutil.rmtree(d, ignore_errors=True)
     return [
         row(case, "shardkit", ours, bytes=nbytes, note="atomic, fsync'd"),
@@ -145,12 +165,15 @@ def _load_rows(state, nbytes, reps, workdir) -> list[dict]:
     case, case_dict = "hf load into module (warm cache)", "hf load as dict (warm cache)"
     load_torch_model(model, hub_dir, strict=True)  # untimed: first touch of the module's memory
     _raw_read(targets, os.path.join(hub_dir, "raw.bin"))
-    ours = time_reps(lambda: load_checkpoint(ours_dir, model), reps)
-    hub = time_reps(lambda: load_torch_model(model, hub_dir, strict=True), reps)
-    ours_on_hub = time_reps(lambda: load_checkpoint(hub_dir, model), reps)
-    ours_dict = time_reps(lambda: load_checkpoint(ours_dir, None), reps)
-    st = time_reps(lambda: _touch(load_file(single)), reps)
-    raw = time_reps(lambda: _raw_read(targets, os.path.join(hub_dir, "raw.bin")), reps)
+    t = _interleaved({
+        "ours": lambda: load_checkpoint(ours_dir, model),
+        "hub": lambda: load_torch_model(model, hub_dir, strict=True),
+        "ours_on_hub": lambda: load_checkpoint(hub_dir, model),
+        "ours_dict": lambda: load_checkpoint(ours_dir, None),
+        "st": lambda: _touch(load_file(single)),
+        "raw": lambda: _raw_read(targets, os.path.join(hub_dir, "raw.bin")),
+    }, reps)
+    ours, hub, ours_on_hub, ours_dict, st, raw = (t[k] for k in ("ours", "hub", "ours_on_hub", "ours_dict", "st", "raw"))
     shutil.rmtree(ours_dir, ignore_errors=True), shutil.rmtree(hub_dir, ignore_errors=True)
     return [
         row(case, "shardkit", ours, bytes=nbytes),
@@ -183,8 +206,9 @@ def _transformers_rows(size_bytes, reps, workdir) -> list[dict]:
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     nbytes = sum(t.nbytes for t in model.state_dict().values())
     ours_dir, tf_dir = os.path.join(workdir, "tf-sk"), os.path.join(workdir, "tf-tf")
-    ours = time_reps(lambda: save_checkpoint(ours_dir, model, safetensors=True), reps, lambda: _fresh(ours_dir))
-    tf = time_reps(lambda: model.save_pretrained(tf_dir), reps, lambda: _fresh(tf_dir))
+    t = _interleaved({"ours": (lambda: save_checkpoint(ours_dir, model, safetensors=True), lambda: _fresh(ours_dir)),
+                      "tf": (lambda: model.save_pretrained(tf_dir), lambda: _fresh(tf_dir))}, reps)
+    ours, tf = t["ours"], t["tf"]
     config.save_pretrained(ours_dir)
 
     def shardkit_from_config():
@@ -193,9 +217,12 @@ def _transformers_rows(size_bytes, reps, workdir) -> list[dict]:
         fresh.to_empty(device="cpu")
         load_checkpoint(ours_dir, fresh)
 
-    ours_load = time_reps(shardkit_from_config, reps)
-    tf_load = time_reps(lambda: LlamaForCausalLM.from_pretrained(tf_dir, dtype=torch.bfloat16), reps)
-    tf_touch = time_reps(lambda: _touch(LlamaForCausalLM.from_pretrained(tf_dir, dtype=torch.bfloat16).state_dict()), reps)
+    def from_pretrained():
+        return LlamaForCausalLM.from_pretrained(tf_dir, dtype=torch.bfloat16)
+
+    t = _interleaved({"ours": shardkit_from_config, "tf": from_pretrained,
+                      "tf_touch": lambda: _touch(from_pretrained().state_dict())}, reps)
+    ours_load, tf_load, tf_touch = t["ours"], t["tf"], t["tf_touch"]
     shutil.rmtree(ours_dir, ignore_errors=True), shutil.rmtree(tf_dir, ignore_errors=True)
     save_case, load_case = "hf save, Llama model", "hf load, Llama model (warm cache)"
     return [
