@@ -12,7 +12,10 @@ What it does not do: it does not run two saves at once (a second
 ``save_async`` while one is in flight raises
 :class:`~shardkit.errors.AsyncCheckpointError`; call ``wait()`` first), it
 does not copy plain (non-tensor) leaves (they are immutable values; only the
-containers are rebuilt), and it does not retry a failed save.
+containers are rebuilt), and it does not retry a failed save. Saving into
+the directory of an existing checkpoint withdraws that checkpoint first
+(as ``save_distributed`` does): give each save its own ``dir`` to keep the
+previous one loadable while the next is written.
 
 Staging buffers are kept between saves and reused when a leaf's shape,
 dtype and device kind are unchanged, so the second and later saves skip the
@@ -131,7 +134,7 @@ class CheckpointFuture:
             raise AsyncCheckpointError(
                 f"the {self._description} to {self.dir} failed: "
                 f"{type(self._error).__name__}: {self._error}. The checkpoint there is "
-                f"incomplete and will not load; earlier checkpoints are untouched. "
+                f"incomplete and will not load; checkpoints in other directories are untouched. "
                 f"The checkpointer accepts a new save_async()."
             ) from self._error
 
