@@ -1,7 +1,7 @@
 """The process a crash test kills: it saves a checkpoint and SIGKILLs itself at a chosen point.
 
 Run in a child process only (``test_crash.py`` forks it from a forkserver).
-It wraps the storage layer's atomic writer and ``os.replace`` in this process,
+It wraps the storage layer's atomic writer, ``os.pwrite`` and ``os.replace`` in this process,
 so production code carries no test hooks. Kill points (``kill`` dict):
 
 - ``{"at": "bytes", "file": "rank_0.safetensors", "n": N}``: after exactly N
@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
+import threading
 
 import torch
 
@@ -51,21 +53,38 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _CountingFile:
-    def __init__(self, f, name: str, kill: dict, seen: dict):
-        self._f, self._name, self._kill, self._seen = f, name, kill, seen
+class _Bytes:
+    """Counts the bytes written to the files being published; dies at the kill point.
 
-    def write(self, data) -> int:
-        kill = self._kill
+    Every write path of this process goes through :meth:`write`: ``f.write``
+    on the writer's file object and ``os.write`` / ``os.pwrite`` on its file
+    descriptor (the storage layer may write positionally from a thread pool).
+    """
+
+    def __init__(self, kill: dict):
+        self.kill, self.seen, self.fd_names = kill, 0, {}
+        self.lock = threading.Lock()
+
+    def write(self, name: str, data, do_write):
+        kill = self.kill
+        if kill["at"] != "bytes" or kill["file"] not in (None, name):
+            return do_write(data)
         view = memoryview(data).cast("B")
-        counted = kill["at"] == "bytes" and kill["file"] in (None, self._name)
-        if counted and self._seen["bytes"] + len(view) >= kill["n"]:
-            self._f.write(view[: kill["n"] - self._seen["bytes"]])
-            _die()
-        n = self._f.write(view)
-        if counted:
-            self._seen["bytes"] += len(view) if n is None else n
-        return n
+        with self.lock:  # one writer at a time, so "after exactly N bytes" holds across threads
+            if self.seen + len(view) >= kill["n"]:
+                do_write(view[: kill["n"] - self.seen])
+                _die()
+            n = do_write(view)
+            self.seen += len(view) if n is None else n
+            return n
+
+
+class _CountingFile:
+    def __init__(self, f, name: str, counter: _Bytes):
+        self._f, self._name, self._counter = f, name, counter
+
+    def write(self, data):
+        return self._counter.write(self._name, data, self._f.write)
 
     def __getattr__(self, attr):
         return getattr(self._f, attr)
@@ -76,12 +95,30 @@ def install_kill_hooks(kill: dict) -> None:
     import shardkit.storage.atomic as atomic
     import shardkit.storage.backend as backend
 
-    real_writer, real_replace, seen = atomic.atomic_local_writer, os.replace, {"bytes": 0}
+    real_writer, real_replace = atomic.atomic_local_writer, os.replace
+    real_write, real_pwrite = os.write, os.pwrite
+    counter = _Bytes(kill)
 
     @contextlib.contextmanager
     def writer(path):
         with real_writer(path) as f:
-            yield _CountingFile(f, os.path.basename(path), kill, seen)
+            name = os.path.basename(path)
+            fd = f.fileno()
+            counter.fd_names[fd] = name
+            try:
+                yield _CountingFile(f, name, counter)
+            finally:
+                counter.fd_names.pop(fd, None)
+
+    def write(fd, data):
+        name = counter.fd_names.get(fd)
+        return real_write(fd, data) if name is None else counter.write(name, data, lambda d: real_write(fd, d))
+
+    def pwrite(fd, data, offset):
+        name = counter.fd_names.get(fd)
+        if name is None:
+            return real_pwrite(fd, data, offset)
+        return counter.write(name, data, lambda d: real_pwrite(fd, d, offset))
 
     def replace(src, dst, *args, **kwargs):
         name = os.path.basename(os.fspath(dst))
@@ -93,7 +130,7 @@ def install_kill_hooks(kill: dict) -> None:
 
     atomic.atomic_local_writer = writer
     backend.atomic_local_writer = writer
-    os.replace = replace
+    os.replace, os.write, os.pwrite = replace, write, pwrite
 
 
 def save_and_die(directory: str, which: str, kill: dict, world_size: int = 1) -> None:
