@@ -81,4 +81,4 @@ def from_safetensors_name(name: str) -> torch.dtype:
 
 def itemsize_bytes(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize

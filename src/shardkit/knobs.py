@@ -8,8 +8,11 @@ copy them into a default argument.
 
 from __future__ import annotations
 
+import os
+
 #: Size of one read or write call when streaming tensor bytes to or from a file.
-IO_CHUNK_BYTES: int = 16 * 1024 * 1024
+#: (8 MiB measured best for fsync'd saves on a 2-core box; 16 MiB was 5-10% slower.)
+IO_CHUNK_BYTES: int = 8 * 1024 * 1024
 
 #: While writing a file, ask the kernel to start writing it to disk every this
 #: many bytes (Linux sync_file_range), so the final fsync finds little to do.
@@ -26,8 +29,12 @@ MAX_SAFETENSORS_HEADER_BYTES: int = 100_000_000
 #: Largest index / metadata JSON file we agree to read.
 MAX_INDEX_BYTES: int = 10 * 1024 * 1024
 
-#: Threads used to read or write files in parallel inside one process.
+#: Threads used to read files in parallel inside one process.
 IO_THREADS: int = 4
+
+#: Threads issuing positional writes into one local file. The hashing thread
+#: runs beside them, so half the cores (at most 4) keeps both busy.
+WRITE_THREADS: int = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 #: Whether checkpoint loads hash every checksum block they read and compare it
 #: with the saved record (``verify=None`` in ``shardkit.checkpoint`` loads means

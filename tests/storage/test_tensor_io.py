@@ -108,3 +108,23 @@ def test_fsspec_memory_backend_roundtrip():
         read_ranges(r, [(entry.begin, byte_view(out))], record)
     assert torch.equal(out, torch.ones(3, 3))
     assert "x.safetensors" in store.listdir("memory://shardkit-test")
+
+
+def test_lazy_tensors_are_produced_one_at_a_time(tmp_path, small_blocks):
+    from shardkit.storage import LazyTensor
+
+    produced = []
+
+    def make(i):
+        def load():
+            produced.append(i)
+            return torch.full((5,), float(i))
+        return load
+
+    lazy = [(f"t{i}", LazyTensor(torch.float32, (5,), make(i))) for i in range(3)]
+    store, path = storage_for(tmp_path / "lazy.safetensors")
+    record = write_safetensors(store, path, lazy)
+    assert produced == [0, 1, 2]
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[f"t{i}"], torch.full((5,), float(i))) for i in range(3))
+    assert record.bytes == (tmp_path / "lazy.safetensors").stat().st_size

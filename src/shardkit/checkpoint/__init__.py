@@ -21,7 +21,7 @@ from shardkit.checkpoint.save import save_distributed
 from shardkit.checkpoint.spec import ShardMetadata, TensorShardSpec, flat_shard_metadata
 from shardkit.checkpoint.validate import ValidationReport, validate_distributed
 from shardkit.layout import compute_shard_sizes
-from shardkit.checkpoint.async_save import AsyncCheckpointer, CheckpointFuture
+from shardkit.checkpoint.async_save import AsyncCheckpointer, AsyncWaitTimeout, CheckpointFuture
 
 __all__ = [
     "TensorShardSpec",
@@ -38,4 +38,5 @@ __all__ = [
     "ValidationReport",
     "AsyncCheckpointer",
     "CheckpointFuture",
+    "AsyncWaitTimeout",
 ]

@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import torch
 import xxhash
 
 from shardkit.checkpoint.group import exchange, resolve_group

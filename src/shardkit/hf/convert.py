@@ -37,7 +37,8 @@ from shardkit.hf.index import (
     shard_file_name,
 )
 from shardkit.hf.save import _remove_previous
-from shardkit.hf.shard_io import LazyTensor, shard_header, write_shard
+from shardkit.hf.shard_io import shard_header
+from shardkit.storage import LazyTensor, write_safetensors
 from shardkit.storage import LocalStorage, storage_for
 
 __all__ = ["distributed_to_hf", "hf_to_distributed", "load_distributed_flat"]
@@ -92,7 +93,7 @@ def distributed_to_hf(
 
 def _write_converted(store, path: str, tensors: Dict[str, LazyTensor], safetensors: bool) -> None:
     if safetensors:
-        write_shard(store, path, list(tensors.items()), {"format": "pt"})
+        write_safetensors(store, path, list(tensors.items()), {"format": "pt"})
     else:
         from shardkit.hf.bin_io import write_bin_shard
 

@@ -35,7 +35,7 @@ from shardkit.hf.index import (
     save_shard_index,
     sharing_of,
 )
-from shardkit.hf.shard_io import write_shard
+from shardkit.storage import write_safetensors
 from shardkit.hf.sharing import create_sharing_metadata
 from shardkit.storage import storage_for
 
@@ -147,6 +147,6 @@ def _write_file(store, path: str, tensors: Dict[str, Tensor], safetensors: bool,
     if debug:
         print(f"shardkit.hf: writing {len(tensors)} tensors to {path}")
     if safetensors:
-        write_shard(store, path, list(tensors.items()), {"format": "pt"})
+        write_safetensors(store, path, list(tensors.items()), {"format": "pt"})
     else:
         write_bin_shard(store, path, tensors)

@@ -4,7 +4,7 @@ This layer knows files and bytes only. It never decides which tensor bytes
 a rank needs; ``shardkit.checkpoint`` plans that and calls in here.
 """
 
-from shardkit.storage.atomic import atomic_local_writer, fsync_dir, is_temp_name
+from shardkit.storage.atomic import atomic_local_writer, fsync_dir, is_temp_name, start_writeback
 from shardkit.storage.backend import FsspecStorage, LocalStorage, Reader, Storage, storage_for
 from shardkit.storage.checksum import ALGORITHM, BlockHasher, FileRecord
 from shardkit.storage.paths import check_relative_name
@@ -15,13 +15,15 @@ from shardkit.storage.safetensors_header import (
     parse_header,
     read_header,
 )
-from shardkit.storage.tensor_io import byte_view, read_ranges, write_safetensors
+from shardkit.storage.tensor_io import byte_view, read_ranges
+from shardkit.storage.writer import LazyTensor, TensorLike, write_safetensors
 
 __all__ = [
     "ALGORITHM",
     "BlockHasher",
     "FileRecord",
     "FsspecStorage",
+    "LazyTensor",
     "LocalStorage",
     "Reader",
     "SafetensorsHeader",
@@ -36,6 +38,8 @@ __all__ = [
     "parse_header",
     "read_header",
     "read_ranges",
+    "start_writeback",
     "storage_for",
+    "TensorLike",
     "write_safetensors",
 ]

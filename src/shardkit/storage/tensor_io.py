@@ -1,14 +1,12 @@
-"""Tensor bytes to and from safetensors files, streamed, with block checksums.
+"""Tensor bytes from safetensors files into caller-owned memory, verified by block.
 
-Writing streams each tensor's own memory to the file (no serialised copy of
-the whole state), hashing as it goes. Reading fills caller-owned buffers at
-given file offsets, verifying the blocks those reads touch when a
-:class:`FileRecord` is given. This module moves bytes; it does not decide
-which bytes a rank needs (that is the checkpoint planner's job).
+Reading fills caller-owned buffers at given file offsets, verifying the
+blocks those reads touch when a :class:`FileRecord` is given. This module
+moves bytes; it does not decide which bytes a rank needs (that is the
+checkpoint planner's job). Writing is in ``writer.py``.
 
 Example::
 
-    record = write_safetensors(store, path, [("w", w), ("b", b)], {"format": "pt"})
     with store.open_reader(path) as r:
         header = read_header(r)
         out = torch.empty(header.tensors["w"].shape, dtype=w.dtype)
@@ -17,17 +15,13 @@ Example::
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 from shardkit import knobs
-from shardkit.dtypes import to_safetensors_name
-from shardkit.storage.backend import Reader, Storage
-from shardkit.storage.checksum import BlockHasher, FileRecord
-from shardkit.storage.safetensors_header import build_header
+from shardkit.storage.backend import Reader
+from shardkit.storage.checksum import FileRecord
 
-__all__ = ["byte_view", "write_safetensors", "read_ranges"]
+__all__ = ["byte_view", "read_ranges"]
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -37,54 +31,6 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(b"")
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
-def _as_cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    return tensor.contiguous()
-
-
-def write_safetensors(
-    storage: Storage,
-    path: str,
-    named_tensors: list[tuple[str, torch.Tensor]],
-    metadata: dict[str, str] | None = None,
-) -> FileRecord:
-    """Write ``named_tensors`` as one safetensors file, atomically; return its record.
-
-    Tensors are laid out widest dtype first, then by name, so every tensor
-    starts aligned to its element size. Non-contiguous or GPU tensors are
-    copied one at a time, never all at once.
-    """
-    order = sorted(named_tensors, key=lambda nt: (-nt[1].element_size(), nt[0]))
-    entries = [
-        (name, to_safetensors_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
-        for name, t in order
-    ]
-    header = build_header(entries, metadata)
-    hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES)
-    # Hashing runs on its own thread (xxhash releases the GIL), overlapped with
-    # the writes; one worker keeps the updates in file order.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-hash") as hashing:
-        with storage.atomic_writer(path) as f:
-            _write_hashed(f, memoryview(header), hasher, hashing)
-            for _, tensor in order:
-                _write_hashed(f, byte_view(_as_cpu_contiguous(tensor)), hasher, hashing)
-            pending = hashing.submit(hasher.finish)
-        return pending.result()
-
-
-def _write_hashed(f, view: memoryview, hasher: BlockHasher, hashing: ThreadPoolExecutor) -> None:
-    step = knobs.IO_CHUNK_BYTES
-    for start in range(0, len(view), step):
-        piece = view[start : start + step]
-        hashing.submit(hasher.update, piece)
-        written = 0
-        while written < len(piece):
-            n = f.write(piece[written:])
-            written += len(piece) - written if n is None else n
 
 
 def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: FileRecord | None = None) -> None:
