@@ -171,21 +171,9 @@ def test_interrupted_save_is_reported_incomplete_and_refuses_to_load(crashed, ca
         assert INCOMPLETE.search(msg) and (d in msg or os.path.basename(d) in msg), f"{case}: unhelpful: {msg}"
 
 
-#: Known hole in the core (reported): without a group, rank 0 commits metadata.json before rank 1 has
-#: withdrawn its old rank_1.json, and nothing ties a rank manifest to one save, so the old rank_1 files
-#: complete the new metadata.json. Strict: this fails loudly once the core is fixed, to drop the mark.
-OVERWRITE_XFAIL = {
-    "rank0-committed-rank1-not-started": "no-group save: a stale rank_<r>.json from the previous save "
-                                          "completes the new metadata.json (no save id ties them)",
-    "rank1-done-rank0-not-started": "no-group save: the old metadata.json + old rank_0 file are completed "
-                                     "by the new rank_1.json (no save id ties them)",
-}
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=OVERWRITE_XFAIL[c])) if c in OVERWRITE_XFAIL else c
-    for c in ALL_IDS
-])
+# Without a group, rank manifests carry the save's id (layout + plain values), so a stale
+# rank_<r>.json from the previous save no longer completes a new metadata.json.
+@pytest.mark.parametrize("case", ALL_IDS)
 def test_interrupted_overwrite_is_never_complete_with_wrong_data(crashed, case):
     d, world, _ = crashed[0][(case, "overwrite")]
     report = validate_distributed(d)

@@ -182,3 +182,17 @@ def test_shape_and_rank_errors_are_helpful(tmp_path):
         load_distributed(tmp_path / "ok", 3, 3)
     with pytest.raises(MetadataError, match="saved by 2 ranks"):
         reshard(tmp_path / "ok", 4, 2, 0)
+
+
+def test_no_group_ranks_with_different_plain_values_are_reported(tmp_path):
+    """Without a group, plain values are stored once: ranks that disagree make an incomplete checkpoint."""
+    from shardkit.checkpoint import ShardMetadata, TensorShardSpec, load_distributed, save_distributed, validate_distributed
+    from shardkit.errors import IncompleteCheckpointError
+
+    spec = ShardMetadata(2, {"w": TensorShardSpec((4,), 0, (2, 2))})
+    for rank in range(2):
+        save_distributed({"w": torch.zeros(2), "rank": rank}, str(tmp_path), rank, 2, spec)
+    report = validate_distributed(str(tmp_path))
+    assert not report.ok and any("different save" in p for p in report.problems)
+    with pytest.raises(IncompleteCheckpointError, match="same"):
+        load_distributed(str(tmp_path), 0, 2)

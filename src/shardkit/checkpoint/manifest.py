@@ -86,6 +86,7 @@ class Manifest:
     objects: dict[str, Any] = field(default_factory=dict)
     structure: Any = None
     user_metadata: dict = field(default_factory=dict)
+    save_id: str | None = None   # ties rank manifests to this metadata.json (saves without a group)
 
 
 def manifest_to_json(m: Manifest) -> dict:
@@ -100,6 +101,7 @@ def manifest_to_json(m: Manifest) -> dict:
         "format": FORMAT, "format_version": FORMAT_VERSION, "num_ranks": m.num_ranks,
         "tensor_specs": specs, "files": {f: r.to_json() for f, r in sorted(m.files.items())},
         "objects": m.objects, "structure": m.structure, "user_metadata": m.user_metadata,
+        **({"save_id": m.save_id} if m.save_id else {}),
     }
 
 
@@ -150,7 +152,9 @@ def parse_manifest(source: str, data: bytes) -> Manifest:
         if isinstance(e, MetadataError):
             raise
         raise MetadataError(f"{source} is malformed: {e!r}; it is corrupt or not a shardkit checkpoint") from e
-    return Manifest(version, num_ranks, tensors, files, objects, obj.get("structure"), user_metadata)
+    save_id = obj.get("save_id")
+    return Manifest(version, num_ranks, tensors, files, objects, obj.get("structure"), user_metadata,
+                    save_id if isinstance(save_id, str) else None)
 
 
 def _load_json(source: str, data: bytes) -> Any:
@@ -193,13 +197,14 @@ def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int
     return SavedTensor(spec, dtype, owner if spec.shard_dim is None else None)
 
 
-def rank_manifest_json(rank: int, num_ranks: int, records: dict[str, FileRecord]) -> dict:
+def rank_manifest_json(rank: int, num_ranks: int, records: dict[str, FileRecord], save_id: str | None = None) -> dict:
     return {"format": RANK_FORMAT, "format_version": FORMAT_VERSION, "rank": rank, "num_ranks": num_ranks,
-            "files": {f: r.to_json() for f, r in records.items()}}
+            "files": {f: r.to_json() for f, r in records.items()}, **({"save_id": save_id} if save_id else {})}
 
 
-def read_rank_manifest(storage: Storage, directory: str, rank: int, num_ranks: int) -> dict[str, FileRecord]:
-    """The records in ``rank_<rank>.json``, checked against the rank and world it claims."""
+def read_rank_manifest(storage: Storage, directory: str, rank: int, num_ranks: int,
+                       save_id: str | None = None) -> dict[str, FileRecord]:
+    """The records in ``rank_<rank>.json``, checked against the rank, world and save it claims."""
     path = storage.join(directory, rank_manifest_name(rank))
     obj = _load_json(path, storage.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES))
     _check_version(path, obj, RANK_FORMAT)
@@ -207,6 +212,13 @@ def read_rank_manifest(storage: Storage, directory: str, rank: int, num_ranks: i
         raise IncompleteCheckpointError(
             f"{path} belongs to rank {obj.get('rank')!r} of {obj.get('num_ranks')!r}, expected rank {rank} "
             f"of {num_ranks}: it is left over from another save into the same directory"
+        )
+    if save_id is not None and obj.get("save_id") != save_id:
+        raise IncompleteCheckpointError(
+            f"{path} belongs to a different save than {METADATA_FILE} (save_id {obj.get('save_id')!r}, "
+            f"expected {save_id!r}): an overwrite of this directory was interrupted, or, without a group, "
+            f"the ranks passed different plain values or metadata (every rank must pass the same). "
+            f"Load an earlier checkpoint; save each step to a new directory, or pass group="
         )
     try:
         return {check_relative_name(f, (".safetensors",), source=path): FileRecord.from_json(f, r)
@@ -233,7 +245,7 @@ def file_records(storage: Storage, directory: str, m: Manifest) -> dict[str, Fil
                 f"{directory}: neither {METADATA_FILE} nor {rank_manifest_name(rank)} records {name}: "
                 f"rank {rank} never finished its save, so the checkpoint is incomplete"
             )
-        records.update(read_rank_manifest(storage, directory, rank, m.num_ranks))
+        records.update(read_rank_manifest(storage, directory, rank, m.num_ranks, m.save_id))
         if name not in records:
             raise IncompleteCheckpointError(f"{rank_manifest_name(rank)} does not record {name}")
     return records

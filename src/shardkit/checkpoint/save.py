@@ -20,10 +20,14 @@ seed; the per-rank manifests then tell whether every rank finished.
 
 Saving each step into a fresh directory is the recommended use: the
 previous checkpoint is then never touched. Overwriting a directory in place
-is crash-safe with a group. Without one it is not: the ranks cannot agree,
-so a crash between one rank's save and another's can leave old and new rank
-files that together look complete (nothing ties a rank manifest to one
-save). This module does not stage tensors for background saving (see
+is crash-safe with a group. Without one, the ranks cannot agree on anything
+at save time, so ``metadata.json`` and every ``rank_<r>.json`` carry a
+``save_id`` (a digest of the layout, the plain values and ``metadata``) and
+a rank manifest counts only if its id matches: old and new rank files never
+complete each other as long as the state carries something that changes
+between saves (the step, say). Without a group every rank must therefore
+pass the same plain values and ``metadata`` (they are stored once anyway).
+This module does not stage tensors for background saving (see
 ``async_save``).
 
 Example::
@@ -106,6 +110,7 @@ def _prepare(state_dict, rank, world_size, shard_spec, user_metadata) -> _Prepar
     plan = plan_save({n: t.numel() * t.element_size() for n, t in flat.tensors.items()}, specs, rank, world_size)
     saved = {n: SavedTensor(s.spec, s.dtype, plan.owner_of.get(n)) for n, s in saved.items()}
     manifest = Manifest(1, world_size, saved, {}, flat.objects, flat.structure, _user_metadata(user_metadata))
+    manifest.save_id = _save_id(manifest)
     return _Prepared(flat, plan, manifest, _digest(manifest))
 
 
@@ -125,6 +130,14 @@ def _digest(m: Manifest) -> str:
     # What every rank must agree on: names, layouts, dtypes, owners (not plain values).
     layout = manifest_to_json(Manifest(1, m.num_ranks, m.tensors))["tensor_specs"]
     return xxhash.xxh3_64_hexdigest(json.dumps(layout, sort_keys=True).encode())
+
+
+def _save_id(m: Manifest) -> str:
+    # Without a group, ranks cannot agree on a fresh id; the layout plus the plain
+    # values and user metadata (equal on every rank) tell one save from another
+    # whenever the state carries something that changes, such as the step.
+    text = json.dumps([_digest(m), m.objects, m.structure, m.user_metadata], sort_keys=True, default=str)
+    return xxhash.xxh3_64_hexdigest(text.encode())
 
 
 def _remove_if_present(storage: Storage, path: str) -> None:
@@ -149,7 +162,8 @@ def _write_rank_files(storage: Storage, directory: str, prep: _Prepared) -> dict
     record = write_safetensors(storage, storage.join(directory, file_name), named,
                                {"format": "pt", "shardkit.rank": str(rank), "shardkit.num_ranks": str(world_size)})
     records = {file_name: record}
-    write_json(storage, storage.join(directory, rank_manifest_name(rank)), rank_manifest_json(rank, world_size, records))
+    write_json(storage, storage.join(directory, rank_manifest_name(rank)),
+               rank_manifest_json(rank, world_size, records, prep.manifest.save_id))
     return records
 
 
