@@ -21,7 +21,6 @@ import contextlib
 import os
 import signal
 import threading
-import threading
 
 import torch
 
