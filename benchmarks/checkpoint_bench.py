@@ -21,6 +21,7 @@ SINGLE = ShardMetadata(num_ranks=1, tensor_specs={})
 def _fresh(path: str):
     def setup():
         shutil.rmtree(path, ignore_errors=True)
+        os.sync()  # nothing left dirty by an earlier run is charged to this one
     return setup
 
 
@@ -55,7 +56,7 @@ def bench_load(state, workdir: str, reps: int) -> list[dict]:
                                               lambda p: peers.dcp_load(state, p)),
         "torch.load(weights_only=True)": ("pt", lambda p: peers.torch_save(state, p), peers.torch_load),
         "safetensors.load_file (mmap, pages touched)": ("st", lambda p: peers.safetensors_save(state, p), peers.safetensors_load),
-        "read from page cache (limit)": ("raw", lambda p: peers.raw_write(state, p),
+        "read from page cache, 1 thread (limit)": ("raw", lambda p: peers.raw_write(state, p),
                                          lambda p: peers.raw_read(state, p)),
     }
     rows = []

@@ -42,7 +42,7 @@ def _fmt_bytes(n: float) -> str:
 def format_table(rows: list[dict]) -> str:
     """The side-by-side table: each case's rows, then shardkit's speed ratio to each."""
     lines = []
-    header = f"{'case':<34} {'impl':<40} {'median':>9} {'min':>9} {'max':>9} {'GB/s':>7} {'peak mem':>10}  shardkit speed ×"
+    header = f"{'case':<34} {'impl':<40} {'median':>9} {'min':>9} {'max':>9} {'GB/s':>7} {'peak mem above baseline':>26}  shardkit speed ×"
     lines.append(header)
     lines.append("-" * len(header))
     for case in dict.fromkeys(r["case"] for r in rows):
@@ -51,12 +51,14 @@ def format_table(rows: list[dict]) -> str:
         for r in group:
             gbps = f"{r['bytes'] / r['median_s'] / 1e9:7.2f}" if r.get("bytes") and r["median_s"] > 0 else " " * 7
             peak = _fmt_bytes(r["peak_bytes"]) if r.get("peak_bytes") is not None else ""
+            if r.get("out_bytes"):
+                peak += f" (out {_fmt_bytes(r['out_bytes'])})"
             ratio = ""
             if ours is not None and r is not ours and r["median_s"] > 0:
                 ratio = f"{r['median_s'] / ours['median_s']:.2f}  ({r.get('kind', 'peer')})"
             lines.append(
                 f"{case:<34} {r['impl']:<40} {r['median_s']:9.4f} {r['min_s']:9.4f} {r['max_s']:9.4f} "
-                f"{gbps} {peak:>10}  {ratio}"
+                f"{gbps} {peak:>26}  {ratio}"
             )
         lines.append("")
     return "\n".join(lines)

@@ -3,15 +3,14 @@
 Ranks are real processes on this machine with a Gloo process group
 (``shardkit.launch.run_local_ranks``). Each rank builds only its own shard
 of the workload. A timed repetition starts and ends with a barrier, so its
-time is the slowest rank's. Each load case runs in fresh processes, so the
-peak RSS a rank reports (``ru_maxrss`` minus the RSS before loading) belongs
-to that case alone.
+time is the slowest rank's. Each load case runs in fresh processes, and the
+peak RSS a rank reports (``VmHWM``, reset just before the timed loads, minus
+the RSS then) belongs to that case alone.
 """
 
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import statistics
 import time
@@ -105,6 +104,7 @@ def _save_rank(rank, world_size, size_bytes, workdir, reps):
         def before():
             if rank == 0:
                 shutil.rmtree(paths[key], ignore_errors=True)
+                os.sync()
             dist.barrier()
         return before
 
@@ -139,8 +139,6 @@ def _seed_method(path: str, old_world: int, new_rank: int, new_world: int) -> di
 
 
 def _load_rank(rank, world_size, size_bytes, workdir, reps, impl, saved_world):
-    import psutil
-
     from benchmarks import peers
 
     path = os.path.join(workdir, f"ckpt{saved_world}-{'dcp' if impl == 'dcp' else 'shardkit'}")
@@ -150,9 +148,10 @@ def _load_rank(rank, world_size, size_bytes, workdir, reps, impl, saved_world):
 
         mesh = init_device_mesh("cpu", (world_size,))
         shapes = tensor_shapes(size_bytes)
-        template = {n: (empty(s, device_mesh=mesh, placements=[Shard(0)], dtype=torch.bfloat16) if len(s) else
-                        torch.empty(s, dtype=torch.bfloat16)) for n, s in shapes.items()}
-        load = lambda: peers.dcp_load(template, path)  # noqa: E731
+        def load():  # the destination is allocated inside, as every other impl's output is
+            template = {n: (empty(s, device_mesh=mesh, placements=[Shard(0)], dtype=torch.bfloat16) if len(s)
+                            else torch.empty(s, dtype=torch.bfloat16)) for n, s in shapes.items()}
+            return peers.dcp_load(template, path)
     elif impl == "seed":
         load = lambda: _seed_method(path, saved_world, rank, world_size)  # noqa: E731
     else:
@@ -160,10 +159,51 @@ def _load_rank(rank, world_size, size_bytes, workdir, reps, impl, saved_world):
     out = load()  # warm cache; also the output size
     out_bytes = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in out.values())
     del out
-    baseline = psutil.Process().memory_info().rss
+    baseline = _reset_peak_rss()
     times = _timed(reps, load)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"times": times, "peak_extra": max(0, peak - baseline), "out_bytes": out_bytes}
+    return {"times": times, "peak_extra": max(0, _peak_rss() - baseline), "out_bytes": out_bytes}
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's peak RSS to its current RSS; return that.
+
+    ``ru_maxrss`` would not do: Linux carries it across fork and exec, so a
+    spawned rank starts with its parent's peak.
+    """
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def _peak_rss() -> int:
+    return _status_bytes("VmHWM")
+
+
+def _with_env(env: dict, fn, *args, **kwargs):
+    """Run ``fn`` with ``env`` set, so ranks it spawns inherit it.
+
+    The load cases spawn their ranks with glibc's mmap threshold pinned low:
+    freed large buffers then go back to the OS at once, and a rank's peak RSS
+    counts what each load really holds, not what an earlier one left behind.
+    """
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _agg(per_rank_times: list[list[float]]) -> dict:
@@ -187,7 +227,8 @@ def run_multirank_benchmarks(size_bytes: int, reps: int, workdir: str, old_world
         ("seed", "seed method (load all, concat, slice)", old_world, "peer"),
         ("shardkit", f"same-world-size load {new_world} -> {new_world} (limit)", new_world, "limit"),
     ):
-        res = run_local_ranks(_load_rank, new_world, size_bytes, workdir, reps, impl, saved_world, workdir=workdir)
+        res = _with_env({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, run_local_ranks, _load_rank, new_world,
+                        size_bytes, workdir, reps, impl, saved_world, workdir=workdir)
         worst = max(res, key=lambda r: r["peak_extra"])
         rows.append(row(case, name, _agg([r["times"] for r in res]), kind=kind,
                         bytes=sum(r["out_bytes"] for r in res), peak_bytes=worst["peak_extra"],

@@ -31,6 +31,7 @@ def dcp_save(state: dict, path: str, process_group=None) -> None:
 
 
 def dcp_load(template: dict, path: str, process_group=None) -> dict:
+    """DCP loads in place: the destination tensors are allocated here, then filled."""
     import torch.distributed.checkpoint as dcp
 
     state = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in template.items()}

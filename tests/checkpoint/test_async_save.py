@@ -148,7 +148,7 @@ def test_staging_failure_raises_at_once_and_frees_the_slot(fake, tmp_path, monke
     def boom(state, buffers, *args):
         raise MemoryError("host memory exhausted")
 
-    monkeypatch.setattr(async_save, "_stage", boom)
+    monkeypatch.setattr(async_save, "stage", boom)
     with pytest.raises(AsyncCheckpointError, match="staging.*host memory exhausted"):
         ckpt.save_async({"w": torch.ones(2)})
     monkeypatch.undo()
@@ -358,8 +358,8 @@ def test_host_copier_chunks_and_falls_back_bit_exact(monkeypatch):
         "empty": torch.empty(0, 5),
         "conj": torch.randn(10, generator=g, dtype=torch.complex64).conj(),  # lazy conj bit: copy_ fallback
     }
-    copier = async_save._HostCopier()
-    staged, _ = async_save._stage(state, {}, copier)
+    copier = async_save.HostCopier()
+    staged, _ = async_save.stage(state, {}, copier)
     copier.close()
     for name, t in state.items():
         got = staged[name]

@@ -59,16 +59,13 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping
 
 import torch
 
-from shardkit import knobs
+from shardkit.checkpoint.staging import HostCopier, stage
 from shardkit.errors import AsyncCheckpointError, CheckpointError
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]
@@ -182,7 +179,7 @@ class AsyncCheckpointer:
         self._in_flight: CheckpointFuture | None = None
         self._thread: threading.Thread | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}
-        self._copier = _HostCopier()
+        self._copier = HostCopier()
         self._closed = False
 
     def save_async(self, state_dict, *, dir=None) -> CheckpointFuture:
@@ -292,7 +289,7 @@ class AsyncCheckpointer:
             return future
 
     def _stage_checked(self, state_dict):
-        staged, buffers = _stage(state_dict, self._buffers if self.reuse_buffers else {}, self._copier)
+        staged, buffers = stage(state_dict, self._buffers if self.reuse_buffers else {}, self._copier)
         # Refuse what the save would refuse (non-str keys, leaves that need pickle) here and
         # now, not in the background; cheap: a walk over the leaves.
         from shardkit.checkpoint.nested import flatten
@@ -349,111 +346,3 @@ def _dedicated_gloo_group(group):
             f"dedicated_group=False with a group that nothing else uses while a save is in flight"
         ) from e
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-
-
-# --- staging -------------------------------------------------------------------
-
-
-def _stage(state, buffers: dict[tuple, torch.Tensor], copier: "_HostCopier | None" = None):
-    """Copy every tensor leaf of ``state`` into a CPU buffer; return (staged state, buffers used).
-
-    Containers are rebuilt (so later changes to the caller's dicts do not
-    leak in); plain leaves are shared, being immutable. Buffers from
-    ``buffers`` are reused when shape, dtype and pinning match. Device
-    tensors are copied non-blocking, then each device is synchronized once;
-    host tensors are copied by ``copier`` in one batch.
-    """
-    used: dict[tuple, torch.Tensor] = {}
-    devices: set[torch.device] = set()
-    host_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def copy_leaf(path: tuple, t: torch.Tensor) -> torch.Tensor:
-        src = t.detach()
-        pin = src.device.type == "cuda"
-        buf = buffers.get(path)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.is_pinned() != pin:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
-        if src.device.type == "cpu":
-            host_pairs.append((buf, src))
-        else:
-            buf.copy_(src, non_blocking=True)
-            devices.add(src.device)
-        used[path] = buf
-        return buf
-
-    staged = _map_leaves(state, (), copy_leaf)
-    (copier or _HostCopier()).copy(host_pairs)
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    return staged, used
-
-
-def _memmove(job: tuple[int, int, int]) -> None:
-    ctypes.memmove(*job)  # a ctypes foreign call: releases the GIL while it copies
-
-
-def _raw_bytes_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """True when ``src``'s logical content is exactly its ``nbytes`` of memory, as in ``dst``."""
-    return (src.layout == torch.strided and src.is_contiguous() and dst.is_contiguous()
-            and not src.is_conj() and not src.is_neg() and not src.is_quantized
-            and src.dtype == dst.dtype and src.shape == dst.shape)
-
-
-class _HostCopier:
-    """CPU-to-CPU staging copies: big contiguous ones as chunked ``memmove`` on a few threads.
-
-    Why not ``dst.copy_(src)``: torch's intra-op (OpenMP) copy slows down
-    several-fold when other processes compete for the cores (its workers spin
-    at barriers), which is the usual state of a training box; plain memmove
-    chunks on a small thread pool stay near memory bandwidth. Anything not a
-    plain run of bytes (non-contiguous, conj/neg views) still uses ``copy_``.
-    Chunk size and thread count: ``knobs.IO_CHUNK_BYTES`` and ``knobs.IO_THREADS``.
-    """
-
-    def __init__(self):
-        self._pool = None
-        self._workers = 0
-
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        step = max(1, knobs.IO_CHUNK_BYTES)
-        jobs, small = [], []
-        for dst, src in pairs:
-            nbytes = src.numel() * src.element_size()
-            if not _raw_bytes_ok(dst, src):
-                dst.copy_(src)
-            elif nbytes > step:
-                jobs += [(dst.data_ptr() + off, src.data_ptr() + off, min(step, nbytes - off))
-                         for off in range(0, nbytes, step)]
-            elif nbytes:
-                small.append((dst.data_ptr(), src.data_ptr(), nbytes))
-        workers = max(1, min(knobs.IO_THREADS, os.cpu_count() or 1))
-        pending = self._executor(workers).map(_memmove, jobs) if workers > 1 and len(jobs) > 1 else None
-        for job in small if pending is not None else small + jobs:
-            _memmove(job)
-        if pending is not None:
-            for _ in pending:  # re-raises a worker's exception here
-                pass
-
-    def _executor(self, workers: int) -> ThreadPoolExecutor:
-        if self._pool is None or self._workers != workers:
-            self.close()
-            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="shardkit-stage")
-            self._workers = workers
-        return self._pool
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-def _map_leaves(node: Any, path: tuple, fn: Callable[[tuple, torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(node, torch.Tensor):
-        return fn(path, node)
-    if isinstance(node, Mapping):
-        return {k: _map_leaves(v, path + (k,), fn) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        items = [_map_leaves(v, path + (i,), fn) for i, v in enumerate(node)]
-        return items if isinstance(node, list) else tuple(items)
-    return node
