@@ -17,16 +17,15 @@ Example::
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from benchmarks.common import format_table, row
 from shardkit.comm import Group, UniqueId
+from shardkit.launch import run_local_ranks
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB)
@@ -66,9 +65,9 @@ def _label(nbytes: int) -> str:
     return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
 
 
-def _rank_main(rank, world_size, uid_bytes, reps, sizes, n_small, small_bytes, queue):
+def _rank_main(rank, world_size, uid_bytes, reps, sizes, n_small, small_bytes):
     torch.set_num_threads(1)  # 4 ranks share a small machine; same for every impl
-    with Group.init_rank(rank, world_size, UniqueId.from_bytes(uid_bytes), timeout=300) as g:
+    with Group.init_rank(rank, world_size, UniqueId.from_bytes(uid_bytes), timeout=60) as g:
         rows = []
         for case, impls, iters, nbytes in _cases(g, sizes, n_small, small_bytes):
             for fn, _ in impls.values():
@@ -81,29 +80,16 @@ def _rank_main(rank, world_size, uid_bytes, reps, sizes, n_small, small_bytes, q
                 ts = times[impl]
                 timing = {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)}
                 rows.append(row(case, impl, timing, kind=kind, bytes=nbytes))
-        if rank == 0:
-            queue.put(rows)
+        return rows if rank == 0 else None
 
 
 def run_comm_benchmarks(reps: int = 5, sizes=DEFAULT_SIZES, *, world_size: int = 4,
                         n_small: int = 200, small_bytes: int = 4 * KIB) -> list[dict]:
     """Run the communication rows on ``world_size`` local ranks; return rank 0's rows."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     uid = UniqueId.new(host="127.0.0.1").as_bytes()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = (world_size, uid, max(3, reps), tuple(sizes), n_small, small_bytes, queue)
-    procs = [ctx.Process(target=_rank_main, args=(r, *args), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
-        rows = queue.get(timeout=1800)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    return rows
+    results = run_local_ranks(_rank_main, world_size, uid, max(3, reps), tuple(sizes), n_small, small_bytes,
+                              init_default_group=False, timeout_s=1800)
+    return results[0]
 
 
 def _ratio_lines(rows: list[dict]) -> list[str]:

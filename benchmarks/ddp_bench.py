@@ -93,7 +93,7 @@ def run_ddp_benchmarks(reps: int) -> list[dict]:
     from shardkit.launch import run_local_ranks
 
     uid = UniqueId.new(host="127.0.0.1").as_bytes()
-    per_rank = run_local_ranks(_rank, 2, uid, reps)
+    per_rank = run_local_ranks(_rank, 2, uid, reps, init_default_group=False)
     n_params = sum(p.numel() for p in _model().parameters())
     case = f"DDP step 2 ranks MLP {n_params / 1e6:.1f}M params"
     rows = []
