@@ -11,18 +11,11 @@ import os
 import shutil
 
 from benchmarks import peers
-from benchmarks.common import row, time_reps
+from benchmarks.common import row, time_interleaved, time_reps
 from benchmarks.workload import make_state, state_bytes
 from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, load_distributed, save_distributed
 
 SINGLE = ShardMetadata(num_ranks=1, tensor_specs={})
-
-
-def _fresh(path: str):
-    def setup():
-        shutil.rmtree(path, ignore_errors=True)
-        os.sync()  # nothing left dirty by an earlier run is charged to this one
-    return setup
 
 
 def _save_impls(state):
@@ -37,14 +30,17 @@ def _save_impls(state):
 
 
 def bench_save(state, workdir: str, reps: int) -> list[dict]:
-    rows, nbytes = [], state_bytes(state)
-    for impl, save in _save_impls(state).items():
-        path = os.path.join(workdir, "save")
-        timing = time_reps(lambda: save(path), reps, setup=_fresh(path))
-        kind = "limit" if "limit" in impl else "peer"
-        rows.append(row("save, 1 rank, fsync'd", impl, timing, kind=kind, bytes=nbytes))
-    shutil.rmtree(os.path.join(workdir, "save"), ignore_errors=True)
-    return rows
+    nbytes, path = state_bytes(state), os.path.join(workdir, "save")
+    impls = _save_impls(state)
+
+    def fresh(_name):
+        shutil.rmtree(path, ignore_errors=True)
+        os.sync()  # nothing left dirty by an earlier run is charged to this one
+
+    timings = time_interleaved({impl: (lambda save=save: save(path)) for impl, save in impls.items()}, reps, fresh)
+    shutil.rmtree(path, ignore_errors=True)
+    return [row("save, 1 rank, fsync'd", impl, timing, kind="limit" if "limit" in impl else "peer", bytes=nbytes)
+            for impl, timing in timings.items()]
 
 
 def bench_load(state, workdir: str, reps: int) -> list[dict]:

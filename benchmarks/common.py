@@ -27,6 +27,26 @@ def time_reps(fn: Callable[[], object], reps: int, setup: Callable[[], object] |
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
 
 
+def time_interleaved(fns: dict[str, Callable[[], object]], reps: int,
+                     setup: Callable[[str], object] | None = None) -> dict[str, dict]:
+    """Like :func:`time_reps` for several implementations, one rep of each in turn.
+
+    Interleaving spreads slow phases of a shared machine (a busy disk, another
+    process) over every implementation instead of charging them to whichever
+    ran at that moment. ``setup(name)`` runs untimed before each run.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(1, reps)):
+        for name, fn in fns.items():
+            if setup is not None:
+                setup(name)
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)}
+            for name, ts in times.items()}
+
+
 def row(case: str, impl: str, timing: dict, *, kind: str = "peer", **extra) -> dict:
     return {"case": case, "impl": impl, "kind": kind, **timing, **extra}
 
