@@ -44,6 +44,7 @@ def bench_save(state, workdir: str, reps: int) -> list[dict]:
 
 
 def bench_load(state, workdir: str, reps: int) -> list[dict]:
+    """Each impl loads its own files, written once and read once untimed (warm cache); runs interleaved."""
     nbytes = state_bytes(state)
     cases = {
         "shardkit": ("shardkit", lambda p: save_distributed(state, p, 0, 1, SINGLE),
@@ -51,21 +52,23 @@ def bench_load(state, workdir: str, reps: int) -> list[dict]:
         "torch.distributed.checkpoint.load": ("dcp", lambda p: peers.dcp_save(state, p),
                                               lambda p: peers.dcp_load(state, p)),
         "torch.load(weights_only=True)": ("pt", lambda p: peers.torch_save(state, p), peers.torch_load),
-        "safetensors.load_file (mmap, pages touched)": ("st", lambda p: peers.safetensors_save(state, p), peers.safetensors_load),
+        "safetensors.load_file (mmap, pages touched)": ("st", lambda p: peers.safetensors_save(state, p),
+                                                        peers.safetensors_load),
         "read from page cache, 1 thread (limit)": ("raw", lambda p: peers.raw_write(state, p),
-                                         lambda p: peers.raw_read(state, p)),
+                                                   lambda p: peers.raw_read(state, p)),
     }
-    rows = []
+    loads = {}
     for impl, (sub, save, load) in cases.items():
         path = os.path.join(workdir, "load-" + sub)
         shutil.rmtree(path, ignore_errors=True)
         save(path)
         load(path)  # warm the page cache
-        timing = time_reps(lambda: load(path), reps)
-        kind = "limit" if "limit" in impl else "peer"
-        rows.append(row("load, 1 rank, warm cache", impl, timing, kind=kind, bytes=nbytes))
-        shutil.rmtree(path, ignore_errors=True)
-    return rows
+        loads[impl] = (lambda load=load, path=path: load(path))
+    timings = time_interleaved(loads, reps)
+    for sub, _, _ in cases.values():
+        shutil.rmtree(os.path.join(workdir, "load-" + sub), ignore_errors=True)
+    return [row("load, 1 rank, warm cache", impl, timing, kind="limit" if "limit" in impl else "peer", bytes=nbytes)
+            for impl, timing in timings.items()]
 
 
 def bench_async(state, workdir: str, reps: int) -> list[dict]:
