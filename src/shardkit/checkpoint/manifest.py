@@ -32,7 +32,7 @@ from shardkit import knobs
 from shardkit.checkpoint.spec import TensorShardSpec, check_spec
 from shardkit.dtypes import NAME_TO_DTYPE
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
-from shardkit.storage import FileRecord, Storage, check_relative_name
+from shardkit.storage import FileRecord, Storage, check_relative_name, parse_json_object
 
 __all__ = [
     "FORMAT",
@@ -158,13 +158,7 @@ def parse_manifest(source: str, data: bytes) -> Manifest:
 
 
 def _load_json(source: str, data: bytes) -> Any:
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MetadataError(f"{source} is not valid JSON ({e}); the file is corrupt or was cut short") from e
-    if not isinstance(obj, dict):
-        raise MetadataError(f"{source} holds a JSON {type(obj).__name__}, expected an object")
-    return obj
+    return parse_json_object(source, data, fix="the file is corrupt or was cut short")
 
 
 def _check_version(source: str, obj: dict, expected_format: str) -> int | None:

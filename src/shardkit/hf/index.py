@@ -25,7 +25,7 @@ from torch.nn import Module
 from shardkit import knobs
 from shardkit.errors import MetadataError
 from shardkit.hf.sharing import alias_to_source, find_shared_groups
-from shardkit.storage import check_relative_name, storage_for
+from shardkit.storage import check_relative_name, parse_json_object, storage_for
 
 __all__ = [
     "StateDictLike",
@@ -181,13 +181,8 @@ def load_shard_index(output_dir: str, index_name: str) -> ShardIndex:
     store, root = storage_for(output_dir)
     path = store.join(root, index_name)
     raw = store.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES)
-    try:
-        index = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MetadataError(
-            f"{path} is not valid JSON ({e}); a shard index is "
-            f'{{"metadata": {{...}}, "weight_map": {{name: file}}}}. Re-save the checkpoint.'
-        ) from e
+    index = parse_json_object(path, raw, fix='a shard index is {"metadata": {...}, "weight_map": {name: file}}; '
+                                              "re-save the checkpoint")
     check_index(index, index_name, source=path)
     return index
 

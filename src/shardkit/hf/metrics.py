@@ -17,7 +17,7 @@ from typing import Dict, Optional
 
 from shardkit import knobs
 from shardkit.errors import MetadataError
-from shardkit.storage import storage_for
+from shardkit.storage import parse_json_object, storage_for
 
 __all__ = ["METRICS_FILE_NAME", "save_checkpoint_metrics", "load_checkpoint_metrics"]
 
@@ -49,10 +49,5 @@ def load_checkpoint_metrics(checkpoint_path: str) -> Optional[Dict[str, float]]:
     if not store.exists(path):
         return None
     raw = store.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES)
-    try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MetadataError(f"{path} is not valid JSON ({e}); delete it or save the metrics again") from e
-    if not isinstance(obj, dict):
-        raise MetadataError(f"{path} holds a {type(obj).__name__}, expected an object of name -> number")
-    return obj
+    return parse_json_object(path, raw, fix="it should map metric names to numbers; delete it or save the "
+                                            "metrics again")

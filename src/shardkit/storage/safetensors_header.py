@@ -23,6 +23,7 @@ from shardkit import knobs
 from shardkit.dtypes import NAME_TO_DTYPE
 from shardkit.errors import MetadataError
 from shardkit.storage.backend import Reader
+from shardkit.storage.json_io import parse_json_object
 
 __all__ = ["TensorEntry", "SafetensorsHeader", "build_header", "read_header", "parse_header"]
 
@@ -83,12 +84,8 @@ def read_header(reader: Reader) -> SafetensorsHeader:
 
 def parse_header(file_name: str, header_bytes: bytes, file_size: int) -> SafetensorsHeader:
     """Check the JSON header of a file of ``file_size`` bytes; offsets become absolute."""
-    try:
-        obj = json.loads(header_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MetadataError(f"{file_name}: the safetensors header is not valid JSON ({e})") from e
-    if not isinstance(obj, dict):
-        raise MetadataError(f"{file_name}: the safetensors header is a {type(obj).__name__}, not an object")
+    obj = parse_json_object(f"{file_name}: the safetensors header", header_bytes,
+                            fix="the file is corrupt, truncated or not safetensors")
     data_start = 8 + len(header_bytes)
     metadata = obj.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
