@@ -3,8 +3,8 @@
 Direct pieces (contiguous in the file and in the output) are read straight
 into the output tensors: no extra copy. Other pieces go through a scratch
 buffer of at most ``knobs.IO_CHUNK_BYTES`` and are copied out with a
-strided view. Reads of independent jobs run on ``knobs.IO_THREADS``
-threads. A rank's extra memory is therefore a few scratch buffers, never a
+strided view. Independent jobs run on the shared I/O threads
+(``storage.run_parallel``, ``knobs.IO_THREADS`` of them). A rank's extra memory is therefore a few scratch buffers, never a
 whole tensor or file. This module does not decide what to read (``plan.py``).
 
 Example::
@@ -17,16 +17,23 @@ from __future__ import annotations
 
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
-from shardkit import knobs
 from shardkit.dtypes import from_safetensors_name, to_safetensors_name
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError, TensorMismatchError
 from shardkit.checkpoint.plan import ChunkRead, TensorLoad
-from shardkit.storage import FileRecord, Reader, SafetensorsHeader, Storage, byte_view, read_header, read_ranges
+from shardkit.storage import (
+    FileRecord,
+    Reader,
+    SafetensorsHeader,
+    Storage,
+    byte_view,
+    read_header,
+    read_ranges,
+    run_parallel,
+)
 
 __all__ = ["OpenFiles", "run_loads"]
 
@@ -110,7 +117,7 @@ def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str
     for file, reads in direct.items():
         for batch in _batches(reads):
             jobs.append(lambda f=file, rs=batch: _read_direct(files, f, rs))
-    _run(jobs)
+    run_parallel(jobs)
     return outputs
 
 
@@ -161,12 +168,3 @@ def _read_scattered(files: OpenFiles, file: str, entry_begin: int, pieces, out: 
         target.copy_(scratch.as_strided(piece.sizes, piece.src_strides, 0))
 
 
-def _run(jobs: list[Callable[[], None]]) -> None:
-    threads = max(1, min(knobs.IO_THREADS, len(jobs)))
-    if threads == 1:
-        for job in jobs:
-            job()
-        return
-    with ThreadPoolExecutor(threads, thread_name_prefix="shardkit-load") as pool:
-        for future in [pool.submit(job) for job in jobs]:
-            future.result()

@@ -155,10 +155,27 @@ def _wait_in_backend(work, what, deadline, handle, timeout) -> None:
             work.wait(step)
             return
         except Exception as e:  # noqa: BLE001 - see below
-            # Work.wait(timeout) raises "Operation timed out!" when only the
-            # slice ran out; the work itself is then still pending.
-            if work.is_completed() or "Operation timed out" not in str(e):
+            if not _slice_ran_out(e):
                 raise translate_failure(e, what, timeout) from e
+            # Only the slice ran out. The work may have finished just since:
+            # that is no failure, and an untimed wait now returns at once or
+            # raises the work's own error.
+            if work.is_completed():
+                _finish_completed(work, what, timeout)
+                return
+
+
+def _finish_completed(work, what, timeout) -> None:
+    try:
+        work.wait()
+    except Exception as e:  # noqa: BLE001 - backends raise RuntimeError or DistBackendError
+        raise translate_failure(e, what, timeout) from e
+
+
+def _slice_ran_out(e: BaseException) -> bool:
+    # c10d's Work.wait(timeout) raises exactly this when the work was still
+    # pending as the timeout expired; a finished work returns or raises its own error.
+    return "Operation timed out!" in str(e)
 
 
 def _check(what, deadline, handle, timeout) -> None:

@@ -13,14 +13,12 @@ Example::
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 from shardkit import knobs
 from shardkit.dtypes import to_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
-from shardkit.storage import Storage, byte_view, read_header, read_ranges
+from shardkit.storage import Storage, byte_view, read_header, read_ranges, run_parallel
 
 __all__ = ["read_shard", "read_shard_into", "shard_header"]
 
@@ -76,9 +74,4 @@ def _check_entry(path: str, name: str, entry, out: torch.Tensor) -> None:
 def _read_parallel(reader, reads: list[tuple[int, memoryview]]) -> None:
     step = knobs.IO_CHUNK_BYTES
     pieces = [(off + s, view[s : s + step]) for off, view in reads for s in range(0, len(view), step)]
-    if len(pieces) <= 1 or knobs.IO_THREADS <= 1:
-        read_ranges(reader, pieces)
-        return
-    with ThreadPoolExecutor(knobs.IO_THREADS) as pool:
-        for job in [pool.submit(read_ranges, reader, [p]) for p in pieces]:
-            job.result()
+    run_parallel([lambda p=p: read_ranges(reader, [p]) for p in pieces])

@@ -8,6 +8,7 @@ from shardkit.storage.atomic import atomic_local_writer, fsync_dir, is_temp_name
 from shardkit.storage.backend import FsspecStorage, LocalStorage, Reader, Storage, storage_for
 from shardkit.storage.checksum import ALGORITHM, BlockHasher, FileRecord
 from shardkit.storage.json_io import parse_json_object
+from shardkit.storage.parallel import run_parallel
 from shardkit.storage.paths import check_relative_name
 from shardkit.storage.safetensors_header import (
     SafetensorsHeader,
@@ -40,6 +41,7 @@ __all__ = [
     "parse_json_object",
     "read_header",
     "read_ranges",
+    "run_parallel",
     "start_writeback",
     "storage_for",
     "TensorLike",
