@@ -6,8 +6,9 @@ same machine state. Cases (BENCHMARKS.md): one float32 tensor of 4 KiB to
 64 MiB; 200 tensors of 4 KiB, coalesced by ``all_reduce_`` versus 200 separate
 ``torch.distributed.all_reduce`` calls, with one all_reduce of their total
 size as the limit. A repetition starts after a barrier and times ``iters``
-back-to-back calls on rank 0 (reported per call), so small sizes are not lost
-in timer noise. Nothing here is a test: no time is asserted.
+back-to-back calls on rank 0 (reported per call; about 32 MiB of traffic per
+repetition), so small sizes are not lost in timer noise; the implementations
+swap order every repetition. Nothing here is a test: no time is asserted.
 
 Example::
 
@@ -32,7 +33,9 @@ DEFAULT_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB)
 
 
 def _iters(nbytes: int) -> int:
-    return max(1, min(100, (4 * MIB) // nbytes))
+    # About 32 MiB of traffic per timed repetition (at least 2 calls): a 1 MiB
+    # call takes a few ms, so a handful of them would be mostly timer and scheduler noise.
+    return max(2, min(100, (32 * MIB) // nbytes))
 
 
 def _timed(g: Group, fn, iters: int) -> float:
@@ -73,8 +76,11 @@ def _rank_main(rank, world_size, uid_bytes, reps, sizes, n_small, small_bytes):
             for fn, _ in impls.values():
                 _timed(g, fn, 1)  # warm-up: connections, allocator
             times = {impl: [] for impl in impls}
-            for _ in range(reps):  # interleaved, so drift hits every impl alike
-                for impl, (fn, _) in impls.items():
+            for rep in range(reps):  # interleaved, so drift hits every impl alike
+                order = list(impls.items())
+                if rep % 2:
+                    order.reverse()  # and neither always goes first after the barrier
+                for impl, (fn, _) in order:
                     times[impl].append(_timed(g, fn, iters))
             for impl, (fn, kind) in impls.items():
                 ts = times[impl]

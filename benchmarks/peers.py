@@ -104,6 +104,7 @@ def raw_read(template: dict, path: str) -> dict:
     return out
 
 
-def copy_once(state: dict) -> dict:
-    """The limit of an async save's blocking part: one copy of the state in memory."""
-    return {k: v.clone() for k, v in state.items()}
+def copy_once(state: dict, into: dict) -> None:
+    """The limit of an async save's blocking part: one copy of the state into memory already allocated."""
+    for name, tensor in state.items():
+        into[name].copy_(tensor)

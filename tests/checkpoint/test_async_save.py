@@ -366,3 +366,23 @@ def test_host_copier_chunks_and_falls_back_bit_exact(monkeypatch):
         assert got.shape == t.shape and got.dtype == t.dtype and got.is_contiguous(), name
         assert torch.equal(got.resolve_conj(), t.resolve_conj()), name
         assert got.numel() == 0 or got.data_ptr() != t.data_ptr(), name
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_host_copier_copies_every_byte_of_mixed_sizes(monkeypatch, threads):
+    from shardkit import knobs
+    from shardkit.checkpoint.staging import HostCopier
+
+    monkeypatch.setattr(knobs, "IO_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(knobs, "IO_THREADS", threads)
+    gen = torch.Generator().manual_seed(0)
+    srcs = [torch.randint(0, 255, (n,), dtype=torch.uint8, generator=gen) for n in (0, 1, 100, 4095, 4096, 4097, 50_000)]
+    srcs += [torch.randn(33, 17, generator=gen).t(), torch.randn(3, generator=gen).to(torch.bfloat16)]  # non-contiguous, bf16
+    dsts = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in srcs]
+    copier = HostCopier()
+    try:
+        copier.copy(list(zip(dsts, srcs)))
+    finally:
+        copier.close()
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s)

@@ -60,8 +60,23 @@ def stage(state, buffers: dict[tuple, torch.Tensor], copier: "HostCopier | None"
     return staged, used
 
 
-def _memmove(job: tuple[int, int, int]) -> None:
-    ctypes.memmove(*job)  # a ctypes foreign call: releases the GIL while it copies
+def _memmove_all(moves: list[tuple[int, int, int]]) -> None:
+    for dst, src, nbytes in moves:
+        ctypes.memmove(dst, src, nbytes)  # a ctypes foreign call: releases the GIL while it copies
+
+
+def _batches(moves: list[tuple[int, int, int]], batch_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """Group ``(dst, src, nbytes)`` moves into jobs of about ``batch_bytes``, so small tensors share threads too."""
+    jobs, job, size = [], [], 0
+    for move in moves:
+        job.append(move)
+        size += move[2]
+        if size >= batch_bytes:
+            jobs.append(job)
+            job, size = [], 0
+    if job:
+        jobs.append(job)
+    return jobs
 
 
 def _raw_bytes_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -73,6 +88,9 @@ def _raw_bytes_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 class HostCopier:
     """CPU-to-CPU staging copies: big contiguous ones as chunked ``memmove`` on a few threads.
+
+    Small tensors are batched into jobs of about the chunk size, so a state
+    of many small tensors is spread over the threads as well.
 
     Why not ``dst.copy_(src)``: torch's intra-op (OpenMP) copy slows down
     several-fold when other processes compete for the cores (its workers spin
@@ -88,23 +106,22 @@ class HostCopier:
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         step = max(1, knobs.IO_CHUNK_BYTES)
-        jobs, small = [], []
+        moves = []
         for dst, src in pairs:
             nbytes = src.numel() * src.element_size()
             if not _raw_bytes_ok(dst, src):
                 dst.copy_(src)
-            elif nbytes > step:
-                jobs += [(dst.data_ptr() + off, src.data_ptr() + off, min(step, nbytes - off))
-                         for off in range(0, nbytes, step)]
             elif nbytes:
-                small.append((dst.data_ptr(), src.data_ptr(), nbytes))
-        workers = max(1, min(knobs.IO_THREADS, os.cpu_count() or 1))
-        pending = self._executor(workers).map(_memmove, jobs) if workers > 1 and len(jobs) > 1 else None
-        for job in small if pending is not None else small + jobs:
-            _memmove(job)
-        if pending is not None:
-            for _ in pending:  # re-raises a worker's exception here
-                pass
+                moves += [(dst.data_ptr() + off, src.data_ptr() + off, min(step, nbytes - off))
+                          for off in range(0, nbytes, step)]
+        jobs = _batches(moves, step)
+        workers = max(1, min(knobs.IO_THREADS, os.cpu_count() or 1, len(jobs)))
+        if workers == 1:
+            for job in jobs:
+                _memmove_all(job)
+            return
+        for _ in self._executor(workers).map(_memmove_all, jobs):  # re-raises a worker's exception here
+            pass
 
     def _executor(self, workers: int) -> ThreadPoolExecutor:
         if self._pool is None or self._workers != workers:
