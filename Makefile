@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml requirements-dev.txt
+$(STAMP): pyproject.toml setup.py src/shardkit/_stream_copy.c requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
@@ -24,4 +24,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks $(ARGS)
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build src/*.egg-info src/shardkit/*.so .pytest_cache .hypothesis

@@ -32,6 +32,12 @@ MAX_INDEX_BYTES: int = 10 * 1024 * 1024
 #: Threads used to read files in parallel inside one process.
 IO_THREADS: int = 4
 
+#: Staging copies (``AsyncCheckpointer``) of at least this many bytes use
+#: non-temporal stores when the ``shardkit._stream_copy`` extension is built
+#: (see ``shardkit.storage.memcopy``); ``STREAM_COPY = False`` turns that off.
+STREAM_COPY: bool = True
+STREAM_COPY_MIN_BYTES: int = 1024 * 1024
+
 #: Threads issuing positional writes into one local file. The hashing thread
 #: runs beside them, so half the cores (at most 4) keeps both busy.
 WRITE_THREADS: int = max(1, min(4, (os.cpu_count() or 2) // 2))

@@ -2,7 +2,8 @@
 
 Used by :class:`~shardkit.checkpoint.async_save.AsyncCheckpointer` on the
 caller's thread, so this is the part of a background save the caller waits
-for. Host tensors are copied as chunked ``memmove`` on a few threads; CUDA
+for. Host tensors are copied in chunks on a few threads (non-temporal
+stores where ``storage.memcopy`` has them, else ``memmove``); CUDA
 tensors go to pinned buffers with non-blocking copies and one synchronize
 per device. It writes no file and issues no collective.
 
@@ -13,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from shardkit import knobs
+from shardkit.storage.memcopy import copy_bytes
 
 __all__ = ["stage", "HostCopier"]
 
@@ -60,9 +61,9 @@ def stage(state, buffers: dict[tuple, torch.Tensor], copier: "HostCopier | None"
     return staged, used
 
 
-def _memmove_all(moves: list[tuple[int, int, int]]) -> None:
+def _copy_all(moves: list[tuple[int, int, int]]) -> None:
     for dst, src, nbytes in moves:
-        ctypes.memmove(dst, src, nbytes)  # a ctypes foreign call: releases the GIL while it copies
+        copy_bytes(dst, src, nbytes)  # releases the GIL while it copies
 
 
 def _batches(moves: list[tuple[int, int, int]], batch_bytes: int) -> list[list[tuple[int, int, int]]]:
@@ -87,15 +88,17 @@ def _raw_bytes_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 
 class HostCopier:
-    """CPU-to-CPU staging copies: big contiguous ones as chunked ``memmove`` on a few threads.
+    """CPU-to-CPU staging copies: contiguous ones as chunked byte copies on a few threads.
 
     Small tensors are batched into jobs of about the chunk size, so a state
     of many small tensors is spread over the threads as well.
 
     Why not ``dst.copy_(src)``: torch's intra-op (OpenMP) copy slows down
     several-fold when other processes compete for the cores (its workers spin
-    at barriers), which is the usual state of a training box; plain memmove
-    chunks on a small thread pool stay near memory bandwidth. Anything not a
+    at barriers), which is the usual state of a training box; byte-copy
+    chunks on a small thread pool stay near memory bandwidth, and with
+    non-temporal stores (``storage.memcopy.copy_bytes``) they skip reading
+    the destination into the cache first. Anything not a
     plain run of bytes (non-contiguous, conj/neg views) still uses ``copy_``.
     Chunk size and thread count: ``knobs.IO_CHUNK_BYTES`` and ``knobs.IO_THREADS``.
     """
@@ -118,9 +121,9 @@ class HostCopier:
         workers = max(1, min(knobs.IO_THREADS, os.cpu_count() or 1, len(jobs)))
         if workers == 1:
             for job in jobs:
-                _memmove_all(job)
+                _copy_all(job)
             return
-        for _ in self._executor(workers).map(_memmove_all, jobs):  # re-raises a worker's exception here
+        for _ in self._executor(workers).map(_copy_all, jobs):  # re-raises a worker's exception here
             pass
 
     def _executor(self, workers: int) -> ThreadPoolExecutor:
