@@ -67,9 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         for suite in suites:
             print(f"running {suite} ...", file=sys.stderr, flush=True)
             rows += _run_suite(suite, size, args.reps, workdir)
+    from shardkit.storage.memcopy import copy_kind
+
     context = {"size_bytes": size, "reps": args.reps, "machine": platform.platform(),
-               "cpus": os.cpu_count(), "python": platform.python_version()}
-    print(f"shardkit benchmarks — state {args.size}, {args.reps} reps, {os.cpu_count()} CPUs, {platform.machine()}")
+               "cpus": os.cpu_count(), "python": platform.python_version(), "staging_copy": copy_kind()}
+    print(f"shardkit benchmarks — state {args.size}, {args.reps} reps, {os.cpu_count()} CPUs, "
+          f"{platform.machine()}, staging copies: {copy_kind()}")
     print(format_table(rows))
     if args.json_path:
         write_json(rows, args.json_path, **context)

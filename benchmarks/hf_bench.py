@@ -111,10 +111,13 @@ def _raw_read(targets: list[torch.Tensor], path: str) -> None:
 def _interleaved(impls: dict, reps: int, setup=None) -> dict[str, dict]:
     """Time each ``impls[name]()`` ``reps`` times, one of each per round, so drift on a shared
     machine hits every row alike; ``setup()`` (or the impl's own, given as ``(fn, setup)``)
-    runs untimed before every call."""
+    runs untimed before every call. The order reverses every other round."""
     samples: dict[str, list[dict]] = {name: [] for name in impls}
-    for _ in range(max(1, reps)):
-        for name, impl in impls.items():
+    for rep in range(max(1, reps)):
+        order = list(impls.items())
+        if rep % 2:
+            order.reverse()  # no impl always runs first, or right after the same neighbour
+        for name, impl in order:
             fn, own_setup = impl if isinstance(impl, tuple) else (impl, setup)
             samples[name].append(time_reps(fn, 1, own_setup))
     return {name: _merge(runs) for name, runs in samples.items()}
@@ -164,6 +167,8 @@ def _load_rows(state, nbytes, reps, workdir) -> list[dict]:
     single = os.path.join(hub_dir, "model.safetensors")
     case, case_dict = "hf load into module (warm cache)", "hf load as dict (warm cache)"
     load_torch_model(model, hub_dir, strict=True)  # untimed: first touch of the module's memory
+    load_checkpoint(ours_dir, model)  # untimed: every impl's files are read once before timing
+    load_checkpoint(ours_dir, None)
     _raw_read(targets, os.path.join(hub_dir, "raw.bin"))
     t = _interleaved({
         "ours": lambda: load_checkpoint(ours_dir, model),
