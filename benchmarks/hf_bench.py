@@ -175,17 +175,20 @@ def _load_rows(state, nbytes, reps, workdir) -> list[dict]:
         "hub": lambda: load_torch_model(model, hub_dir, strict=True),
         "ours_on_hub": lambda: load_checkpoint(hub_dir, model),
         "ours_dict": lambda: load_checkpoint(ours_dir, None),
+        "ours_mmap": lambda: _touch(load_checkpoint(ours_dir, None, mmap=True)),
         "st": lambda: _touch(load_file(single)),
         "raw": lambda: _raw_read(targets, os.path.join(hub_dir, "raw.bin")),
     }, reps)
-    ours, hub, ours_on_hub, ours_dict, st, raw = (t[k] for k in ("ours", "hub", "ours_on_hub", "ours_dict", "st", "raw"))
+    ours, hub, ours_on_hub, ours_dict, ours_mmap, st, raw = (
+        t[k] for k in ("ours", "hub", "ours_on_hub", "ours_dict", "ours_mmap", "st", "raw"))
     shutil.rmtree(ours_dir, ignore_errors=True), shutil.rmtree(hub_dir, ignore_errors=True)
     return [
         row(case, "shardkit", ours, bytes=nbytes),
         row(case, "huggingface_hub.load_torch_model", hub, bytes=nbytes),
         row(case, "shardkit on huggingface_hub's files", ours_on_hub, bytes=nbytes, note="same files as hub"),
         row(case, "raw read into memory", raw, kind="limit", bytes=nbytes),
-        row(case_dict, "shardkit", ours_dict, bytes=nbytes),
+        row(case_dict, "shardkit", ours_dict, bytes=nbytes, note="read into fresh memory"),
+        row(case_dict, "shardkit mmap=True + touch", ours_mmap, bytes=nbytes, note="lazy map; every page read"),
         row(case_dict, "safetensors.torch.load_file + touch", st, bytes=nbytes, note="lazy map; every page read"),
         row(case_dict, "raw read into memory", raw, kind="limit", bytes=nbytes),
     ]
@@ -222,12 +225,19 @@ def _transformers_rows(size_bytes, reps, workdir) -> list[dict]:
         fresh.to_empty(device="cpu")
         load_checkpoint(ours_dir, fresh)
 
+    def shardkit_mapped():
+        with torch.device("meta"):
+            fresh = LlamaForCausalLM(config).to(torch.bfloat16)
+        load_checkpoint(ours_dir, fresh, assign=True, mmap=True)
+        return fresh
+
     def from_pretrained():
         return LlamaForCausalLM.from_pretrained(tf_dir, dtype=torch.bfloat16)
 
     t = _interleaved({"ours": shardkit_from_config, "tf": from_pretrained,
+                      "ours_mmap": lambda: _touch(shardkit_mapped().state_dict()),
                       "tf_touch": lambda: _touch(from_pretrained().state_dict())}, reps)
-    ours_load, tf_load, tf_touch = t["ours"], t["tf"], t["tf_touch"]
+    ours_load, tf_load, ours_mmap, tf_touch = t["ours"], t["tf"], t["ours_mmap"], t["tf_touch"]
     shutil.rmtree(ours_dir, ignore_errors=True), shutil.rmtree(tf_dir, ignore_errors=True)
     save_case, load_case = "hf save, Llama model", "hf load, Llama model (warm cache)"
     return [
@@ -235,6 +245,7 @@ def _transformers_rows(size_bytes, reps, workdir) -> list[dict]:
         row(save_case, "transformers save_pretrained", tf, bytes=nbytes, note="no fsync"),
         row(load_case, "shardkit", ours_load, bytes=nbytes, note="meta init + to_empty + load"),
         row(load_case, "transformers from_pretrained", tf_load, bytes=nbytes, note="maps files lazily"),
+        row(load_case, "shardkit assign+mmap + touch", ours_mmap, bytes=nbytes, note="meta init; lazy map; every page read"),
         row(load_case, "transformers from_pretrained + touch", tf_touch, bytes=nbytes, note="every page read"),
     ]
 

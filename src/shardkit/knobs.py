@@ -38,6 +38,12 @@ IO_THREADS: int = 4
 STREAM_COPY: bool = True
 STREAM_COPY_MIN_BYTES: int = 1024 * 1024
 
+#: Local reads of at least this many bytes copy from a read-only map of the
+#: file (non-temporal copies; see ``storage.backend._LocalReader``) instead of
+#: ``preadv``. ``MMAP_READS = False`` reads everything with ``preadv``.
+MMAP_READS: bool = True
+MMAP_READ_MIN_BYTES: int = 1024 * 1024
+
 #: Threads issuing positional writes into one local file. The hashing thread
 #: runs beside them, so half the cores (at most 4) keeps both busy.
 WRITE_THREADS: int = max(1, min(4, (os.cpu_count() or 2) // 2))

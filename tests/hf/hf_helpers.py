@@ -8,6 +8,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+#: Every dtype torch and safetensors share, for round-trip tests.
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.bool,
+          torch.uint8, torch.float8_e4m3fn]
+
+
+def mixed_state() -> dict:
+    """One small tensor of each dtype, a 0-d tensor, a 0-size tensor and a 64x64 float32."""
+    torch.manual_seed(0)
+    sd = {f"t.{i}.{str(d).split('.')[-1]}": (torch.randn(3, 5) * 10).to(d) for i, d in enumerate(DTYPES)}
+    sd["scalar"] = torch.tensor(3.5)
+    sd["empty"] = torch.zeros(0, 4)
+    sd["big"] = torch.randn(64, 64)
+    return sd
+
+
 def tiny_llama_config(tied: bool = True):
     from transformers import LlamaConfig
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_helpers import mixed_state
 from shardkit.errors import MissingShardError, TensorMismatchError
 from shardkit.hf import (
     index_file_name,
@@ -18,22 +19,9 @@ from shardkit.hf import (
 )
 from shardkit.storage import LocalStorage
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.bool,
-          torch.uint8, torch.float8_e4m3fn]
-
-
-def _state():
-    torch.manual_seed(0)
-    sd = {f"t.{i}.{str(d).split('.')[-1]}": (torch.randn(3, 5) * 10).to(d) for i, d in enumerate(DTYPES)}
-    sd["scalar"] = torch.tensor(3.5)
-    sd["empty"] = torch.zeros(0, 4)
-    sd["big"] = torch.randn(64, 64)
-    return sd
-
-
 @pytest.mark.parametrize("safetensors", [True, False])
 def test_dict_mode_round_trip(tmp_path, safetensors):
-    sd = _state()
+    sd = mixed_state()
     save_checkpoint(str(tmp_path), sd, safetensors=safetensors, max_shard_size=200)
     out = load_checkpoint(str(tmp_path), None)
     assert sorted(out) == sorted(sd)
@@ -43,7 +31,7 @@ def test_dict_mode_round_trip(tmp_path, safetensors):
 
 
 def test_shards_are_plain_safetensors_with_format_pt(tmp_path):
-    sd = _state()
+    sd = mixed_state()
     save_checkpoint(str(tmp_path), sd, safetensors=True, max_shard_size=200)
     index = load_shard_index(str(tmp_path), index_file_name(True))
     for f in set(index["weight_map"].values()):

@@ -32,7 +32,7 @@ from shardkit.hf.index import (
     load_shard_index,
     sharing_of,
 )
-from shardkit.hf.shard_io import read_shard, shard_header
+from shardkit.hf.shard_io import map_shard, read_shard, shard_header
 from shardkit.hf.sharing import create_sharing_metadata, retie_parameters
 from shardkit.storage import storage_for
 
@@ -46,6 +46,8 @@ def load_checkpoint(
     strict: bool = True,
     assign: bool = False,
     keys: Optional[Set[str]] = None,
+    *,
+    mmap: bool = False,
 ) -> Union[None, Dict[str, Tensor]]:
     """Load the checkpoint in ``model_dir``, whatever its Hugging Face layout.
 
@@ -54,6 +56,14 @@ def load_checkpoint(
     distributed checkpoint (``metadata.json``, consolidated). With a module,
     loads into it and returns None; with ``module=None`` returns the tensors
     (only ``keys`` if given). Raises ``MissingShardError`` if none is there.
+
+    ``mmap=True`` (local safetensors files, dict mode or ``assign=True``)
+    returns tensors over copy-on-write maps of the files instead of reading
+    them: the call returns before any tensor byte is read, and memory is
+    shared with the page cache until a tensor is modified (modifications
+    never reach the file). Like ``safetensors.torch.load_file``; the files
+    must not be rewritten in place while the tensors live. Loading into a
+    module without ``assign`` copies into the parameters either way.
     """
     from shardkit.hf.directory import get_checkpoint_metadata
 
@@ -72,7 +82,7 @@ def load_checkpoint(
         index = _single_file_index(model_dir, meta.file_name, meta.safetensors)
     result = load_sharded_checkpoint(
         model_dir, index, module, device=device, safetensors=meta.safetensors, strict=strict,
-        assign=assign, keys=keys,
+        assign=assign, keys=keys, mmap=mmap,
     )
     return result if module is None else None
 
@@ -117,6 +127,8 @@ def load_sharded_checkpoint(
     assign: bool = False,
     debug: bool = False,
     keys: Optional[Set[str]] = None,
+    *,
+    mmap: bool = False,
 ) -> Union[Set[str], Dict[str, Tensor]]:
     """Load the tensors ``shard_index`` describes from ``model_dir``.
 
@@ -124,6 +136,7 @@ def load_sharded_checkpoint(
     provide (with ``strict=True``, missing or unexpected keys raise
     ``TensorMismatchError`` before any shard is read). Dict mode returns
     ``{name: tensor}`` on ``device``, tied names sharing one tensor.
+    ``mmap``: see :func:`load_checkpoint`.
     """
     if module is not None and not isinstance(module, Module):
         raise TensorMismatchError(
@@ -133,11 +146,11 @@ def load_sharded_checkpoint(
     weight_map = shard_index["weight_map"]
     aliases = {a: s for a, s in alias_to_source(sharing_of(shard_index)).items() if s in weight_map}
     if module is None:
-        return _load_dict(model_dir, weight_map, aliases, device, safetensors, keys, debug)
-    return _load_module(model_dir, shard_index, aliases, module, device, safetensors, strict, assign, debug)
+        return _load_dict(model_dir, weight_map, aliases, device, safetensors, keys, debug, mmap)
+    return _load_module(model_dir, shard_index, aliases, module, device, safetensors, strict, assign, debug, mmap)
 
 
-def _load_dict(model_dir, weight_map, aliases, device, safetensors, keys, debug) -> Dict[str, Tensor]:
+def _load_dict(model_dir, weight_map, aliases, device, safetensors, keys, debug, mmap) -> Dict[str, Tensor]:
     wanted = list(weight_map) + list(aliases) if keys is None else list(keys)
     unknown = [k for k in wanted if k not in weight_map and k not in aliases]
     if unknown:
@@ -146,14 +159,15 @@ def _load_dict(model_dir, weight_map, aliases, device, safetensors, keys, debug)
             f"({len(weight_map)} tensors); check the names (e.g. {list(weight_map)[:3]})"
         )
     sources = list(dict.fromkeys(aliases.get(k, k) for k in wanted))
-    loaded = _read_files(model_dir, weight_map, sources, safetensors, debug)
+    loaded = _read_files(model_dir, weight_map, sources, safetensors, debug, mmap=mmap)
     if torch.device(device).type != "cpu":
         loaded = {n: t.to(device) for n, t in loaded.items()}
     return {k: loaded[aliases.get(k, k)] for k in wanted}
 
 
-def _read_files(model_dir, weight_map, names, safetensors, debug, targets=None) -> Dict[str, Tensor]:
-    """Read ``names`` file by file; into ``targets[name]`` where given, else fresh CPU tensors."""
+def _read_files(model_dir, weight_map, names, safetensors, debug, targets=None, mmap=False) -> Dict[str, Tensor]:
+    """Read ``names`` file by file; into ``targets[name]`` where given, else fresh CPU tensors
+    (or, with ``mmap``, tensors over maps of the files)."""
     store, root = storage_for(model_dir)
     out: Dict[str, Tensor] = {}
     for file_name, in_file in files_to_names(weight_map, names).items():
@@ -168,13 +182,18 @@ def _read_files(model_dir, weight_map, names, safetensors, debug, targets=None) 
         # The extension decides (the index check allows only the expected one), so a
         # wrong ``safetensors=`` flag cannot send a safetensors file to torch.load.
         if file_name.endswith(".safetensors"):
-            out.update(_read_safetensors(store, path, in_file, targets or {}))
+            out.update(_read_safetensors(store, path, in_file, targets or {}, mmap))
         else:
             out.update(_read_bin(path, store, in_file))
     return out
 
 
-def _read_safetensors(store, path, names, targets) -> Dict[str, Tensor]:
+def _read_safetensors(store, path, names, targets, mmap) -> Dict[str, Tensor]:
+    if mmap and not targets:
+        mapped = map_shard(store, path, names)
+        if mapped is not None:
+            return mapped
+
     def buffer_for(name, entry):
         target = targets.get(name)
         if target is not None and _fits(target, entry):
@@ -201,7 +220,7 @@ def _read_bin(path, store, names) -> Dict[str, Tensor]:
     return {n: tensors[n] for n in names}
 
 
-def _load_module(model_dir, shard_index, aliases, module, device, safetensors, strict, assign, debug) -> Set[str]:
+def _load_module(model_dir, shard_index, aliases, module, device, safetensors, strict, assign, debug, mmap) -> Set[str]:
     weight_map = shard_index["weight_map"]
     own = module.state_dict(keep_vars=True)
     provided = set(weight_map) | set(aliases)
@@ -216,7 +235,7 @@ def _load_module(model_dir, shard_index, aliases, module, device, safetensors, s
     names = [k for k in weight_map if k in own]
     targets = {} if assign else {n: own[n] for n in names}
     with torch.no_grad():
-        loaded = _read_files(model_dir, weight_map, names, safetensors, debug, targets)
+        loaded = _read_files(model_dir, weight_map, names, safetensors, debug, targets, mmap)
         _install(module, own, loaded, device, assign)
     groups = [g for g in sharing_of(shard_index) if all(n in own for n in g)]
     retie_parameters(module, groups)

@@ -1,7 +1,8 @@
 """One safetensors shard: read chosen tensors straight into place.
 
 Reading opens only the file asked for, checks its header, and fills
-caller-owned tensors in parallel. Writing a shard is
+caller-owned tensors in parallel; mapping gives tensors over a
+copy-on-write memory map instead (nothing read until touched). Writing a shard is
 :func:`shardkit.storage.write_safetensors`. This module does not decide
 which tensors go to which file.
 
@@ -16,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from shardkit import knobs
-from shardkit.dtypes import to_safetensors_name
+from shardkit.dtypes import from_safetensors_name, to_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.storage import Storage, byte_view, read_header, read_ranges, run_parallel
 
-__all__ = ["read_shard", "read_shard_into", "shard_header"]
+__all__ = ["map_shard", "read_shard", "read_shard_into", "shard_header"]
 
 
 def shard_header(storage: Storage, path: str):
@@ -48,17 +49,54 @@ def read_shard(storage: Storage, path: str, names: list[str], buffer_for) -> dic
         header = read_header(reader)
         buffers, reads = {}, []
         for name in names:
-            entry = header.tensors.get(name)
-            if entry is None:
-                raise MetadataError(
-                    f"the index places {name!r} in {path}, but that file has no such tensor "
-                    f"(it has {len(header.tensors)} others); the index and shards do not match"
-                )
+            entry = _entry(header, path, name)
             out = buffers[name] = buffer_for(name, entry)
             _check_entry(path, name, entry, out)
             reads.append((entry.begin, byte_view(out)))
         _read_parallel(reader, reads)
     return buffers
+
+
+def map_shard(storage: Storage, path: str, names: list[str]) -> dict[str, torch.Tensor] | None:
+    """``names`` from ``path`` as tensors over a copy-on-write map of the file; None if it cannot be mapped.
+
+    Nothing is read now: pages come from the page cache (or disk) when the
+    tensors are first touched, and memory is shared with the page cache until
+    a tensor is written to (writes stay private, never reaching the file).
+    The header is checked as in :func:`read_shard`. A tensor whose offset is
+    not a multiple of its element size, or an empty one, is read into fresh
+    memory instead. The file must not be truncated or rewritten in place
+    while the tensors live (shardkit and transformers replace files whole);
+    returns None for storage that cannot map (remote URLs).
+    """
+    mapping = storage.map_private(path)
+    if mapping is None:
+        return None
+    header = shard_header(storage, path)
+    out, copies = {}, []
+    for name in names:
+        entry = _entry(header, path, name)
+        dtype = from_safetensors_name(entry.dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = (entry.end - entry.begin) // itemsize
+        if numel == 0 or entry.begin % itemsize:
+            copies.append(name)
+            continue
+        flat = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=entry.begin)
+        out[name] = flat.view(tuple(entry.shape))
+    if copies:
+        out.update(read_shard(storage, path, copies, lambda _n, e: torch.empty(e.shape, dtype=from_safetensors_name(e.dtype))))
+    return out
+
+
+def _entry(header, path: str, name: str):
+    entry = header.tensors.get(name)
+    if entry is None:
+        raise MetadataError(
+            f"the index places {name!r} in {path}, but that file has no such tensor "
+            f"(it has {len(header.tensors)} others); the index and shards do not match"
+        )
+    return entry
 
 
 def _check_entry(path: str, name: str, entry, out: torch.Tensor) -> None:

@@ -18,11 +18,17 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
+import threading
 from typing import BinaryIO, Iterator
 
+import numpy as np
+
+from shardkit import knobs
 from shardkit.errors import MissingShardError
 from shardkit.storage.atomic import atomic_local_writer, fsync_dir
+from shardkit.storage.memcopy import copy_bytes
 
 __all__ = ["Reader", "Storage", "LocalStorage", "FsspecStorage", "storage_for"]
 
@@ -59,12 +65,34 @@ class Reader:
 
 
 class _LocalReader(Reader):
+    """Positional reads of a local file; large ones copy from a read-only map of it.
+
+    Reads of at least ``knobs.MMAP_READ_MIN_BYTES`` (with ``knobs.MMAP_READS``)
+    copy straight from the page cache through a map of the file with
+    ``storage.memcopy.copy_bytes``: on the 2-core box a warm 2 GiB file
+    came in 0.13-0.15 s this way against 0.21-0.26 s with ``preadv`` on the
+    same two threads (the kernel's copy reads every destination line first).
+    The size is fixed at open: reads past it raise ``EOFError``, never
+    touch the map. Like every mapped reader (safetensors, DCP), a file
+    truncated in place by another program while it is being read stops the
+    process with SIGBUS; shardkit itself only ever replaces files whole.
+    """
+
     def __init__(self, path: str):
         self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         super().__init__(path, os.fstat(self._fd).st_size)
+        self._map_lock = threading.Lock()
+        self._map: mmap.mmap | None = None
+        self._map_view = None  # the numpy view that holds the map's address
+        self._map_tried = False
 
     def read_into(self, offset: int, out: memoryview) -> None:
         out = out.cast("B") if out.format != "B" else out
+        if knobs.MMAP_READS and len(out) >= knobs.MMAP_READ_MIN_BYTES and offset + len(out) <= self.size_bytes:
+            base = self._mapped_address()
+            if base:
+                copy_bytes(np.frombuffer(out, dtype=np.uint8).ctypes.data, base + offset, len(out))
+                return
         done = 0
         while done < len(out):
             n = os.preadv(self._fd, [out[done:]], offset + done)
@@ -72,7 +100,24 @@ class _LocalReader(Reader):
                 raise self._short(offset, len(out), done)
             done += n
 
+    def _mapped_address(self) -> int:
+        with self._map_lock:
+            if not self._map_tried:
+                self._map_tried = True
+                try:
+                    self._map = mmap.mmap(self._fd, self.size_bytes, access=mmap.ACCESS_READ)
+                except (OSError, ValueError):  # not mappable (a pipe, a special file): read instead
+                    self._map = None
+                else:
+                    self._map_view = np.frombuffer(self._map, dtype=np.uint8)
+            return 0 if self._map_view is None else self._map_view.ctypes.data
+
     def close(self) -> None:
+        with self._map_lock:
+            self._map_view = None
+            if self._map is not None:
+                self._map.close()
+                self._map = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -133,6 +178,14 @@ class Storage:
         """A file that appears at ``path`` whole when the block exits cleanly, or not at all."""
         raise NotImplementedError
 
+    def map_private(self, path: str) -> "mmap.mmap | None":
+        """A copy-on-write memory map of the whole file, or None where files cannot be mapped.
+
+        Writes through the map never reach the file. Only local files can be
+        mapped; remote storage returns None and callers read instead.
+        """
+        return None
+
     def read_bytes(self, path: str, *, max_bytes: int) -> bytes:
         """The whole file, refusing one larger than ``max_bytes``."""
         with self.open_reader(path) as r:
@@ -176,6 +229,15 @@ class LocalStorage(Storage):
 
     def atomic_writer(self, path: str):
         return atomic_local_writer(path)
+
+    def map_private(self, path: str) -> "mmap.mmap | None":
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return None  # an empty file cannot be mapped
+                return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except FileNotFoundError as e:
+            raise MissingShardError(f"{path} does not exist") from e
 
 
 class FsspecStorage(Storage):
