@@ -12,6 +12,7 @@ import os
 import platform
 import sys
 import tempfile
+import traceback
 
 SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 
@@ -62,21 +63,32 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(suites) - set(SUITES)
     if unknown:
         parser.error(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)}")
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory(dir=args.workdir, prefix="shardkit-bench-") as workdir:
-        for suite in suites:
-            print(f"running {suite} ...", file=sys.stderr, flush=True)
-            rows += _run_suite(suite, size, args.reps, workdir)
     from shardkit.storage.memcopy import copy_kind
 
     context = {"size_bytes": size, "reps": args.reps, "machine": platform.platform(),
                "cpus": os.cpu_count(), "python": platform.python_version(), "staging_copy": copy_kind()}
+    rows: list[dict] = []
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory(dir=args.workdir, prefix="shardkit-bench-") as workdir:
+        for suite in suites:
+            print(f"running {suite} ...", file=sys.stderr, flush=True)
+            try:
+                suite_rows = _run_suite(suite, size, args.reps, workdir)
+            except Exception:  # noqa: BLE001 - one broken suite must not cost the others' figures
+                traceback.print_exc()
+                print(f"suite {suite} failed; going on with the others", file=sys.stderr, flush=True)
+                failed.append(suite)
+                continue
+            rows += suite_rows
+            print(format_table(suite_rows), file=sys.stderr, flush=True)  # progress, kept if a later suite dies
+            if args.json_path:
+                write_json(rows, args.json_path, **context, failed_suites=failed)
     print(f"shardkit benchmarks — state {args.size}, {args.reps} reps, {os.cpu_count()} CPUs, "
           f"{platform.machine()}, staging copies: {copy_kind()}")
     print(format_table(rows))
-    if args.json_path:
-        write_json(rows, args.json_path, **context)
-    return 0
+    if failed:
+        print(f"failed suites: {', '.join(failed)} (tracebacks above)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB)
 
 
+#: A timed repetition here takes well under a second, and on a shared 2-core box four ranks'
+#: scheduling moves single medians by +-10 %; at least this many repetitions per figure.
+MIN_REPS = 15
+
+
 def _iters(nbytes: int) -> int:
     # About 32 MiB of traffic per timed repetition (at least 2 calls): a 1 MiB
     # call takes a few ms, so a handful of them would be mostly timer and scheduler noise.
@@ -93,7 +98,8 @@ def run_comm_benchmarks(reps: int = 5, sizes=DEFAULT_SIZES, *, world_size: int =
                         n_small: int = 200, small_bytes: int = 4 * KIB) -> list[dict]:
     """Run the communication rows on ``world_size`` local ranks; return rank 0's rows."""
     uid = UniqueId.new(host="127.0.0.1").as_bytes()
-    results = run_local_ranks(_rank_main, world_size, uid, max(3, reps), tuple(sizes), n_small, small_bytes,
+    reps = max(MIN_REPS, reps)
+    results = run_local_ranks(_rank_main, world_size, uid, reps, tuple(sizes), n_small, small_bytes,
                               init_default_group=False, timeout_s=1800)
     return results[0]
 

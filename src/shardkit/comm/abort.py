@@ -112,14 +112,17 @@ class _Completion:
             self._work.wait()  # already complete: returns at once or raises the backend's error
 
 
-def wait_work(work, *, what: str, timeout: timedelta, handle: AbortHandle, backend_wait: bool = False) -> None:
+def wait_work(work, *, what: str, timeout: timedelta, handle: AbortHandle, backend_wait: bool = False,
+              has_future: bool | None = None) -> None:
     """Block until ``work`` completes; raise a ``CommError`` on abort, timeout or failure.
 
     ``backend_wait`` (Gloo) waits inside the backend in short slices: the
     fastest wake-up, since a Python callback would need extra thread switches.
+    ``has_future``: whether the work has a future (None: ask it, which costs
+    a call into the backend; callers that know, e.g. all_reduce, say so).
     """
     deadline = time.monotonic() + timeout.total_seconds() + knobs.COMM_TIMEOUT_SLACK_S
-    if backend_wait and _has_future(work):
+    if backend_wait and (has_future if has_future is not None else _has_future(work)):
         _wait_in_backend(work, what, deadline, handle, timeout)
         return
     c = _Completion(work)

@@ -119,14 +119,17 @@ class Collectives:
         tensors = _tensor_list(tensors, "all_reduce_")
         op = coerce_op(op)
         for dtype, backend in {(t.dtype, self._backend_for(t)) for t in tensors}:
-            plan_reduction(op, dtype, backend)  # refuse before any byte moves
+            plan_reduction(op, dtype, backend)  # refuse before any byte moves (cached: cheap)
         self._check_usable("all_reduce_")
         self._check_same_args("all_reduce_", tensors, op.name)
         self._run(tensors, "all_reduce_", stream, lambda ts: self._all_reduce_buckets(ts, op))
 
     def _all_reduce_buckets(self, tensors, op: ReduceOp) -> None:
-        buckets = plan_buckets([t.numel() * t.element_size() for t in tensors],
-                               [(t.dtype, t.device) for t in tensors], knobs.COMM_BUCKET_BYTES)
+        if len(tensors) == 1:
+            buckets = [[0]]  # the common case of one tensor: nothing to plan
+        else:
+            buckets = plan_buckets([t.numel() * t.element_size() for t in tensors],
+                                   [(t.dtype, t.device) for t in tensors], knobs.COMM_BUCKET_BYTES)
         pending = []
         for idx in buckets:  # issue them all, then wait: buckets overlap on the wire
             group = [tensors[i] for i in idx]
@@ -137,7 +140,7 @@ class Collectives:
             opts.reduceOp = plan.torch_op
             pending.append((self._pg.allreduce([wire], opts), wire, flat, plan, group))
         for work, wire, flat, plan, group in pending:
-            self._wait(work, "all_reduce_")
+            self._wait(work, "all_reduce_", has_future=True)  # allreduce works carry a future
             finish(wire, flat, plan, self.world_size)
             unpack(flat, group)
 

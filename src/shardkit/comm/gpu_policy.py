@@ -42,7 +42,7 @@ def fallback_enabled() -> bool:
 
 def choose_route(devices: Sequence[torch.device], backend: str, op_name: str) -> str:
     """``"native"`` or ``"host"`` for tensors on ``devices``; raise where neither applies."""
-    kinds = {torch.device(d).type for d in devices}
+    kinds = {d.type if isinstance(d, torch.device) else torch.device(d).type for d in devices}
     if len(kinds) > 1:
         raise CommArgumentError(
             f"{op_name}: tensors are on mixed device types {sorted(kinds)}; "

@@ -215,10 +215,10 @@ class Group(Collectives):
                 "create a new group"
             )
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what: str, has_future: bool | None = None) -> None:
         try:
             wait_work(work, what=what, timeout=self._timeout, handle=self._abort,
-                      backend_wait=self.backend == "gloo")
+                      backend_wait=self.backend == "gloo", has_future=has_future)
         except CommError as e:
             if not self._abort.is_aborted:
                 self._failure = type(e).__name__

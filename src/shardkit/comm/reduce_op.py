@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +95,11 @@ def coerce_op(op) -> ReduceOp:
 
 def plan_reduction(op: ReduceOp, dtype: torch.dtype, backend: str) -> ReductionPlan:
     """Decide how ``op`` on ``dtype`` runs on ``backend``; raise if it cannot run at all."""
-    op = coerce_op(op)
+    return _plan(coerce_op(op), dtype, backend)
+
+
+@functools.lru_cache(maxsize=256)  # a handful of (op, dtype, backend) keys; refusals are not cached
+def _plan(op: ReduceOp, dtype: torch.dtype, backend: str) -> ReductionPlan:
     if dtype.is_complex:
         return _plan_complex(op, dtype)
     wire = _WIDENED.get(dtype, dtype)
