@@ -2,7 +2,8 @@
 
 Cases (BENCHMARKS.md, "HF save / load"), all on the same synthetic BF16 state:
 
-- ``hf save``: ``shardkit.hf.save_checkpoint`` (fsync'd, atomic) vs
+- ``hf save``: ``shardkit.hf.save_checkpoint`` (fsync'd, atomic; and with
+  ``sync_files=False``, atomic without fsync) vs
   ``huggingface_hub.save_torch_state_dict`` as users run it (no fsync) and
   with an fsync of its files (the like-for-like durability), limit: a raw
   write of the same bytes + fsync.
@@ -137,14 +138,16 @@ def _save_rows(state, nbytes, reps, workdir) -> list[dict]:
     case = "hf save (safetensors)"
     t = _interleaved({
         "ours": lambda: save_checkpoint(d, state, safetensors=True),
+        "ours_nosync": lambda: save_checkpoint(d, state, safetensors=True, sync_files=False),
         "hub": lambda: save_torch_state_dict(state, d),
         "hub_sync": lambda: (save_torch_state_dict(state, d), _fsync_tree(d)),
         "raw": lambda: _raw_write(state, os.path.join(d, "raw.bin")),
     }, reps, lambda: _fresh(d))
-    ours, hub, hub_sync, raw = t["ours"], t["hub"], t["hub_sync"], t["raw"]
+    ours, ours_nosync, hub, hub_sync, raw = t["ours"], t["ours_nosync"], t["hub"], t["hub_sync"], t["raw"]
     shutil.rmtree(d, ignore_errors=True)
     return [
         row(case, "shardkit", ours, bytes=nbytes, note="atomic, fsync'd"),
+        row(case, "shardkit sync_files=False", ours_nosync, bytes=nbytes, note="atomic, no fsync"),
         row(case, "huggingface_hub.save_torch_state_dict", hub, bytes=nbytes, note="no fsync"),
         row(case, "huggingface_hub.save_torch_state_dict+fsync", hub_sync, bytes=nbytes),
         row(case, "raw write+fsync", raw, kind="limit", bytes=nbytes),

@@ -99,8 +99,8 @@ def install_kill_hooks(kill: dict) -> None:
     counter = _Bytes(kill)
 
     @contextlib.contextmanager
-    def writer(path):
-        with real_writer(path) as f:
+    def writer(path, durable=True):
+        with real_writer(path, durable) as f:
             name = os.path.basename(path)
             fd = f.fileno()
             counter.fd_names[fd] = name

@@ -214,3 +214,20 @@ def test_bad_arguments_are_typed_errors(tmp_path):
         load_checkpoint(str(tmp_path), {"a": torch.zeros(1)})
     with pytest.raises(MetadataError, match="max_checkpoints"):
         maybe_delete_oldest_checkpoint(str(tmp_path), -1)
+
+
+@pytest.mark.parametrize("safetensors", [True, False])
+def test_sync_files_false_skips_every_fsync_and_still_publishes_atomically(tmp_path, monkeypatch, safetensors):
+    import shardkit.storage.atomic as atomic
+
+    synced = []
+    monkeypatch.setattr(atomic.os, "fsync", lambda fd: synced.append(fd))
+    monkeypatch.setattr(atomic, "start_writeback", lambda *a: synced.append(a))
+    sd = mixed_state()
+    save_checkpoint(str(tmp_path), sd, safetensors=safetensors, max_shard_size=300, sync_files=False)
+    assert synced == []
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary file left behind
+    out = load_checkpoint(str(tmp_path), None)
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+    save_checkpoint(str(tmp_path), sd, safetensors=safetensors, max_shard_size=300)  # the default syncs
+    assert synced

@@ -128,3 +128,15 @@ def test_lazy_tensors_are_produced_one_at_a_time(tmp_path, small_blocks):
     loaded = load_file(path)
     assert all(torch.equal(loaded[f"t{i}"], torch.full((5,), float(i))) for i in range(3))
     assert record.bytes == (tmp_path / "lazy.safetensors").stat().st_size
+
+
+def test_write_without_checksum_returns_no_record_and_a_valid_file(tmp_path):
+    from safetensors.torch import load_file
+
+    from shardkit.storage import LocalStorage, write_safetensors
+
+    t = {"a": torch.arange(10, dtype=torch.int64), "b": torch.ones(3, 3, dtype=torch.bfloat16)}
+    path = str(tmp_path / "x.safetensors")
+    assert write_safetensors(LocalStorage(), path, list(t.items()), checksum=False) is None
+    back = load_file(path)
+    assert all(torch.equal(back[k], v) for k, v in t.items())

@@ -34,9 +34,9 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def write_bin_shard(storage: Storage, path: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` as a ``torch.save`` zip file at ``path``, atomically."""
-    with storage.atomic_writer(path) as f:
+def write_bin_shard(storage: Storage, path: str, tensors: dict[str, torch.Tensor], durable: bool = True) -> None:
+    """Write ``tensors`` as a ``torch.save`` zip file at ``path``, atomically (fsync'd if ``durable``)."""
+    with storage.atomic_writer(path, durable) as f:
         torch.save({n: _own_storage(t) for n, t in tensors.items()}, f)
 
 

@@ -155,8 +155,8 @@ def _sharing_for(state_dictionaries, explicit) -> SharingMetadataT:
     return groups
 
 
-def save_shard_index(shard_index: ShardIndex, output_dir: str, index_name: str) -> None:
-    """Write ``shard_index`` as ``output_dir/index_name``, atomically.
+def save_shard_index(shard_index: ShardIndex, output_dir: str, index_name: str, *, sync_files: bool = True) -> None:
+    """Write ``shard_index`` as ``output_dir/index_name``, atomically (fsync'd unless ``sync_files=False``).
 
     Write the index only after every shard it names is complete: its
     appearance is what makes the checkpoint count.
@@ -165,7 +165,7 @@ def save_shard_index(shard_index: ShardIndex, output_dir: str, index_name: str) 
     store, root = storage_for(output_dir)
     store.makedirs(root)
     data = json.dumps(shard_index, indent=2, sort_keys=False).encode("utf-8")
-    with store.atomic_writer(store.join(root, index_name)) as f:
+    with store.atomic_writer(store.join(root, index_name), sync_files) as f:
         f.write(data)
 
 

@@ -65,6 +65,8 @@ def save_checkpoint(
     debug: bool = False,
     include_param_sharing: bool = True,
     param_sharing_metadata: Optional[SharingMetadataT] = None,
+    *,
+    sync_files: bool = True,
 ) -> None:
     """Write ``module`` (an ``nn.Module`` or a name -> tensor dict) to ``output_dir``.
 
@@ -74,6 +76,12 @@ def save_checkpoint(
     Tied parameters are found automatically unless ``param_sharing_metadata``
     is given or ``include_param_sharing`` is False (then every name is
     written separately). Does not save optimizer state or configs.
+
+    Every file is published atomically (written under a temporary name, then
+    renamed; the index last). ``sync_files`` (default) also fsyncs each file
+    and the directory, so a power loss never leaves a checkpoint that looks
+    complete but is not; ``sync_files=False`` skips that, like
+    ``save_pretrained`` and ``huggingface_hub`` (and DCP's ``sync_files=False``).
     """
     sd = state_dict_of(module)
     sharing = _sharing(module, include_param_sharing, param_sharing_metadata)
@@ -81,8 +89,8 @@ def save_checkpoint(
     store, root = storage_for(output_dir)
     store.makedirs(root)
     _remove_previous(store, root)
-    save_sharded_checkpoint(output_dir, index, sd, safetensors=safetensors, debug=debug)
-    save_shard_index(index, output_dir, index_file_name(safetensors))
+    save_sharded_checkpoint(output_dir, index, sd, safetensors=safetensors, debug=debug, sync_files=sync_files)
+    save_shard_index(index, output_dir, index_file_name(safetensors), sync_files=sync_files)
 
 
 def _sharing(module, include: bool, explicit: Optional[SharingMetadataT]) -> Optional[SharingMetadataT]:
@@ -110,6 +118,8 @@ def save_sharded_checkpoint(
     module: StateDictLike,
     safetensors: bool = False,
     debug: bool = False,
+    *,
+    sync_files: bool = True,
 ) -> None:
     """Write the shard files of ``shard_index`` whose tensors ``module`` holds.
 
@@ -140,13 +150,13 @@ def save_sharded_checkpoint(
                 f"(missing e.g. {missing[:5]}); every shard must be written by one rank. Build the "
                 f"index with one state dict per rank so each rank gets its own files."
             )
-        _write_file(store, store.join(root, file_name), {n: sd[n] for n in names}, safetensors, debug)
+        _write_file(store, store.join(root, file_name), {n: sd[n] for n in names}, safetensors, debug, sync_files)
 
 
-def _write_file(store, path: str, tensors: Dict[str, Tensor], safetensors: bool, debug: bool) -> None:
+def _write_file(store, path: str, tensors: Dict[str, Tensor], safetensors: bool, debug: bool, durable: bool) -> None:
     if debug:
         print(f"shardkit.hf: writing {len(tensors)} tensors to {path}")
     if safetensors:
-        write_safetensors(store, path, list(tensors.items()), {"format": "pt"})
+        write_safetensors(store, path, list(tensors.items()), {"format": "pt"}, checksum=False, durable=durable)
     else:
-        write_bin_shard(store, path, tensors)
+        write_bin_shard(store, path, tensors, durable)

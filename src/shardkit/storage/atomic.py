@@ -92,17 +92,27 @@ class _EarlyWritebackFile:
 
 
 @contextlib.contextmanager
-def atomic_local_writer(path: str) -> Iterator[BinaryIO]:
-    """Yield an unbuffered binary file; publish it at ``path`` when the block exits cleanly."""
+def atomic_local_writer(path: str, durable: bool = True) -> Iterator[BinaryIO]:
+    """Yield an unbuffered binary file; publish it at ``path`` when the block exits cleanly.
+
+    ``durable`` (the default): writeback starts as the data is written, the
+    file is fsync'd before the rename and the directory after it, so the
+    published file survives a power loss. ``durable=False`` keeps only the
+    all-or-nothing rename (readers never see a partial file; after a power
+    loss the file may be empty or missing), as ``torch.save`` and
+    ``safetensors`` give.
+    """
     directory, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
     f = open(tmp, "xb", buffering=0)
     try:
-        yield _EarlyWritebackFile(f)
-        os.fsync(f.fileno())
+        yield _EarlyWritebackFile(f) if durable else f
+        if durable:
+            os.fsync(f.fileno())
         f.close()
         os.replace(tmp, path)
-        fsync_dir(directory)
+        if durable:
+            fsync_dir(directory)
     except BaseException:
         f.close()
         with contextlib.suppress(FileNotFoundError):

@@ -187,8 +187,13 @@ class Storage:
     def open_reader(self, path: str) -> Reader:
         raise NotImplementedError
 
-    def atomic_writer(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
-        """A file that appears at ``path`` whole when the block exits cleanly, or not at all."""
+    def atomic_writer(self, path: str, durable: bool = True) -> contextlib.AbstractContextManager[BinaryIO]:
+        """A file that appears at ``path`` whole when the block exits cleanly, or not at all.
+
+        ``durable``: also flushed to stable storage before it appears (local
+        files: fsync of the file and its directory); where the store has no
+        such step the flag changes nothing.
+        """
         raise NotImplementedError
 
     def map_private(self, path: str) -> "mmap.mmap | None":
@@ -240,8 +245,8 @@ class LocalStorage(Storage):
         except FileNotFoundError as e:
             raise MissingShardError(f"{path} does not exist") from e
 
-    def atomic_writer(self, path: str):
-        return atomic_local_writer(path)
+    def atomic_writer(self, path: str, durable: bool = True):
+        return atomic_local_writer(path, durable)
 
     def map_private(self, path: str) -> "mmap.mmap | None":
         try:
@@ -292,7 +297,8 @@ class FsspecStorage(Storage):
             raise MissingShardError(f"{path} does not exist") from e
 
     @contextlib.contextmanager
-    def atomic_writer(self, path: str) -> Iterator[BinaryIO]:
+    def atomic_writer(self, path: str, durable: bool = True) -> Iterator[BinaryIO]:
+        # Object stores persist on close; ``durable`` changes nothing here.
         # Write under a temporary name, then move: on stores where mv is a copy,
         # readers still never see a half-written final name.
         tmp = self._strip(path) + ".tmp-shardkit"

@@ -69,34 +69,41 @@ def write_safetensors(
     path: str,
     named_tensors: list[tuple[str, TensorLike]],
     metadata: dict[str, str] | None = None,
-) -> FileRecord:
+    *,
+    checksum: bool = True,
+    durable: bool = True,
+) -> FileRecord | None:
     """Write ``named_tensors`` as one safetensors file at ``path``, atomically; return its record.
 
     Tensors are laid out widest dtype first, then by name, so each starts
     aligned to its element size. Non-contiguous, GPU and lazy tensors are
     made ready one at a time; a lazy tensor's bytes are written (and hashed)
     before the next one is produced, so memory holds about one of them.
+    ``checksum=False`` skips the block hashes (for formats with nowhere to
+    keep them, e.g. Hugging Face shards) and returns None. ``durable=False``
+    skips early writeback and fsync (see ``Storage.atomic_writer``).
     """
     order = sorted(named_tensors, key=lambda nt: (-itemsize_bytes(nt[1].dtype), nt[0]))
     entries = [(name, to_safetensors_name(t.dtype), tuple(t.shape), _nbytes(t)) for name, t in order]
     header = build_header(entries, metadata)
-    hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES)
+    hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES) if checksum else None
     # One hashing worker keeps the updates in file order.
     with ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash") as hashing:
-        with storage.atomic_writer(path) as f:
-            sink = _PositionalSink(f.fileno()) if isinstance(storage, LocalStorage) else _StreamSink(f)
+        with storage.atomic_writer(path, durable) as f:
+            sink = _PositionalSink(f.fileno(), durable) if isinstance(storage, LocalStorage) else _StreamSink(f)
             try:
                 for view, lazy in _views(header, order):
                     for start in range(0, len(view), knobs.IO_CHUNK_BYTES):
                         piece = view[start : start + knobs.IO_CHUNK_BYTES]
-                        hashing.submit(hasher.update, piece)
+                        if hasher is not None:
+                            hashing.submit(hasher.update, piece)
                         sink.write(piece)
                     if lazy:  # let it go before the next one is produced
                         sink.drain()
                         hashing.submit(lambda: None).result()
             finally:
                 sink.close()
-        return hashing.submit(hasher.finish).result()
+        return None if hasher is None else hashing.submit(hasher.finish).result()
 
 
 def _views(header: bytes, order: list[tuple[str, TensorLike]]):
@@ -131,8 +138,8 @@ class _PositionalSink:
     memory is released soon after its bytes are written.
     """
 
-    def __init__(self, fd: int):
-        self._fd, self._offset = fd, 0
+    def __init__(self, fd: int, start_writeback: bool = True):
+        self._fd, self._offset, self._writeback = fd, 0, start_writeback
         self._threads = max(1, knobs.WRITE_THREADS)
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="shardkit-write")
         self._pending: collections.deque[Future] = collections.deque()
@@ -147,7 +154,8 @@ class _PositionalSink:
         done = 0
         while done < len(piece):
             done += os.pwrite(self._fd, piece[done:], offset + done)
-        start_writeback(self._fd, offset, len(piece))
+        if self._writeback:
+            start_writeback(self._fd, offset, len(piece))
 
     def drain(self) -> None:
         """Wait until every write handed over so far is done."""
