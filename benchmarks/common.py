@@ -33,11 +33,13 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int,
 
     Interleaving spreads slow phases of a shared machine (a busy disk, another
     process) over every implementation instead of charging them to whichever
-    ran at that moment. ``setup(name)`` runs untimed before each run.
+    ran at that moment; the order reverses every other round, so no
+    implementation always runs first or right after the same neighbour.
+    ``setup(name)`` runs untimed before each run.
     """
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(max(1, reps)):
-        for name, fn in fns.items():
+    for rep in range(max(1, reps)):
+        for name, fn in (list(fns.items())[::-1] if rep % 2 else fns.items()):
             if setup is not None:
                 setup(name)
             start = time.perf_counter()

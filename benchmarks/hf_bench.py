@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 
 import torch
 
-from benchmarks.common import row, time_reps
+from benchmarks.common import row, time_interleaved
 
 
 def _state(size_bytes: int) -> dict[str, torch.Tensor]:
@@ -110,23 +109,11 @@ def _raw_read(targets: list[torch.Tensor], path: str) -> None:
 
 
 def _interleaved(impls: dict, reps: int, setup=None) -> dict[str, dict]:
-    """Time each ``impls[name]()`` ``reps`` times, one of each per round, so drift on a shared
-    machine hits every row alike; ``setup()`` (or the impl's own, given as ``(fn, setup)``)
-    runs untimed before every call. The order reverses every other round."""
-    samples: dict[str, list[dict]] = {name: [] for name in impls}
-    for rep in range(max(1, reps)):
-        order = list(impls.items())
-        if rep % 2:
-            order.reverse()  # no impl always runs first, or right after the same neighbour
-        for name, impl in order:
-            fn, own_setup = impl if isinstance(impl, tuple) else (impl, setup)
-            samples[name].append(time_reps(fn, 1, own_setup))
-    return {name: _merge(runs) for name, runs in samples.items()}
-
-
-def _merge(runs: list[dict]) -> dict:
-    times = [r["median_s"] for r in runs]
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+    """:func:`benchmarks.common.time_interleaved` where an impl may be ``(fn, own_setup)``;
+    ``own_setup`` (or else ``setup``) runs untimed before every call."""
+    fns = {name: impl[0] if isinstance(impl, tuple) else impl for name, impl in impls.items()}
+    setups = {name: impl[1] if isinstance(impl, tuple) else setup for name, impl in impls.items()}
+    return time_interleaved(fns, reps, lambda name: setups[name] and setups[name]())
 
 
 def _save_rows(state, nbytes, reps, workdir) -> list[dict]:

@@ -358,9 +358,7 @@ def test_host_copier_chunks_and_falls_back_bit_exact(monkeypatch):
         "empty": torch.empty(0, 5),
         "conj": torch.randn(10, generator=g, dtype=torch.complex64).conj(),  # lazy conj bit: copy_ fallback
     }
-    copier = async_save.HostCopier()
-    staged, _ = async_save.stage(state, {}, copier)
-    copier.close()
+    staged, _ = async_save.stage(state, {})
     for name, t in state.items():
         got = staged[name]
         assert got.shape == t.shape and got.dtype == t.dtype and got.is_contiguous(), name
@@ -371,7 +369,7 @@ def test_host_copier_chunks_and_falls_back_bit_exact(monkeypatch):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_host_copier_copies_every_byte_of_mixed_sizes(monkeypatch, threads):
     from shardkit import knobs
-    from shardkit.checkpoint.staging import HostCopier
+    from shardkit.checkpoint.staging import copy_host
 
     monkeypatch.setattr(knobs, "IO_CHUNK_BYTES", 4096)
     monkeypatch.setattr(knobs, "IO_THREADS", threads)
@@ -379,10 +377,6 @@ def test_host_copier_copies_every_byte_of_mixed_sizes(monkeypatch, threads):
     srcs = [torch.randint(0, 255, (n,), dtype=torch.uint8, generator=gen) for n in (0, 1, 100, 4095, 4096, 4097, 50_000)]
     srcs += [torch.randn(33, 17, generator=gen).t(), torch.randn(3, generator=gen).to(torch.bfloat16)]  # non-contiguous, bf16
     dsts = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in srcs]
-    copier = HostCopier()
-    try:
-        copier.copy(list(zip(dsts, srcs)))
-    finally:
-        copier.close()
+    copy_host(list(zip(dsts, srcs)))
     for d, s in zip(dsts, srcs):
         assert torch.equal(d, s)

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import crash_child
+from state_leaves import leaves
 from crash_child import make_state, spec
 from shardkit.checkpoint import load_distributed, save_distributed, validate_distributed
 from shardkit.checkpoint.async_save import AsyncCheckpointer
@@ -71,21 +72,8 @@ def _save_complete(directory, which, world_size):
         save_distributed(make_state(which, rank, world_size), directory, rank, world_size, spec(world_size))
 
 
-def _flat(node, prefix=""):
-    if isinstance(node, dict):
-        items = node.items()
-    elif isinstance(node, (list, tuple)):
-        items = enumerate(node)
-    else:
-        return {prefix: node}
-    out = {}
-    for k, v in items:
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def _same(loaded, expected) -> bool:
-    a, b = _flat(loaded), _flat(expected)
+    a, b = leaves(loaded), leaves(expected)
     if a.keys() != b.keys():
         return False
     for k, v in b.items():

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from ranks import run_ranks
+from state_leaves import leaves
 from shardkit.checkpoint import (
     ShardMetadata,
     TensorShardSpec,
@@ -119,19 +120,6 @@ def nested_state(rank: int, seed: int = 0) -> dict:
     }
 
 
-def flatten(node, prefix: str = "") -> dict:
-    if isinstance(node, dict):
-        items = node.items()
-    elif isinstance(node, (list, tuple)):
-        items = ((str(i), v) for i, v in enumerate(node))
-    else:
-        return {prefix: node}
-    out = {}
-    for k, v in items:
-        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes, so -0.0 vs 0.0 and NaN payloads count."""
     return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
@@ -148,7 +136,7 @@ def expected_slice(name: str, rank: int, world: int, seed: int = 0) -> torch.Ten
 
 
 def assert_loaded(out: dict, rank: int, world: int, label: str, seed: int = 0) -> None:
-    flat = flatten(out)
+    flat = leaves(out)
     assert set(flat) == set(TENSORS) | set(PLAIN), f"{label}: keys differ: {sorted(set(flat) ^ (set(TENSORS) | set(PLAIN)))}"
     for name in TENSORS:
         got, want = flat[name], expected_slice(name, rank, world, seed)
@@ -173,7 +161,7 @@ def _save_on_four(rank, world_size, root):
     # Async on a dedicated group; the caller mutates every tensor right after save_async.
     with AsyncCheckpointer(os.path.join(root, "async"), rank, world_size, spec(), group=group) as ckpt:
         future = ckpt.save_async(state)
-        for leaf in flatten(state).values():
+        for leaf in leaves(state).values():
             if isinstance(leaf, torch.Tensor):
                 leaf.logical_not_() if leaf.dtype == torch.bool else leaf.add_(1)
         future.wait()

@@ -65,7 +65,7 @@ import time
 
 import torch
 
-from shardkit.checkpoint.staging import HostCopier, stage
+from shardkit.checkpoint.staging import stage
 from shardkit.errors import AsyncCheckpointError, CheckpointError
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]
@@ -179,7 +179,6 @@ class AsyncCheckpointer:
         self._in_flight: CheckpointFuture | None = None
         self._thread: threading.Thread | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}
-        self._copier = HostCopier()
         self._closed = False
 
     def save_async(self, state_dict, *, dir=None) -> CheckpointFuture:
@@ -252,7 +251,6 @@ class AsyncCheckpointer:
         finally:
             self._closed = True
             self._buffers = {}
-            self._copier.close()
             self._destroy_own_group()
 
     def __enter__(self) -> "AsyncCheckpointer":
@@ -289,7 +287,7 @@ class AsyncCheckpointer:
             return future
 
     def _stage_checked(self, state_dict):
-        staged, buffers = stage(state_dict, self._buffers if self.reuse_buffers else {}, self._copier)
+        staged, buffers = stage(state_dict, self._buffers if self.reuse_buffers else {})
         # Refuse what the save would refuse (non-str keys, leaves that need pickle) here and
         # now, not in the background; cheap: a walk over the leaves.
         from shardkit.checkpoint.nested import flatten

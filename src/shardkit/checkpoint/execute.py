@@ -4,8 +4,8 @@ Direct pieces (contiguous in the file and in the output) are read straight
 into the output tensors: no extra copy. Other pieces go through a scratch
 buffer of at most ``knobs.IO_CHUNK_BYTES`` and are copied out with a
 strided view. Independent jobs run on the shared I/O threads
-(``storage.run_parallel``, ``knobs.IO_THREADS`` of them). A rank's extra memory is therefore a few scratch buffers, never a
-whole tensor or file. This module does not decide what to read (``plan.py``).
+(``storage.run_parallel``, ``knobs.IO_THREADS`` of them). A rank's extra
+memory is therefore a few scratch buffers, never a whole tensor or file. This module does not decide what to read (``plan.py``).
 
 Example::
 

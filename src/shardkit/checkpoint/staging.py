@@ -14,26 +14,25 @@ Example::
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
 import torch
 
 from shardkit import knobs
+from shardkit.storage import run_parallel
 from shardkit.storage.memcopy import copy_bytes
 
-__all__ = ["stage", "HostCopier"]
+__all__ = ["stage", "copy_host"]
 
 
-def stage(state, buffers: dict[tuple, torch.Tensor], copier: "HostCopier | None" = None):
+def stage(state, buffers: dict[tuple, torch.Tensor]):
     """Copy every tensor leaf of ``state`` into a CPU buffer; return (staged state, buffers used).
 
     Containers are rebuilt (so later changes to the caller's dicts do not
     leak in); plain leaves are shared, being immutable. Buffers from
     ``buffers`` are reused when shape, dtype and pinning match. Device
     tensors are copied non-blocking, then each device is synchronized once;
-    host tensors are copied by ``copier`` in one batch.
+    host tensors are copied by :func:`copy_host` in one batch.
     """
     used: dict[tuple, torch.Tensor] = {}
     devices: set[torch.device] = set()
@@ -54,7 +53,7 @@ def stage(state, buffers: dict[tuple, torch.Tensor], copier: "HostCopier | None"
         return buf
 
     staged = _map_leaves(state, (), copy_leaf)
-    (copier or HostCopier()).copy(host_pairs)
+    copy_host(host_pairs)
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -87,56 +86,30 @@ def _raw_bytes_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and src.dtype == dst.dtype and src.shape == dst.shape)
 
 
-class HostCopier:
-    """CPU-to-CPU staging copies: contiguous ones as chunked byte copies on a few threads.
+def copy_host(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each CPU ``src`` into its CPU ``dst`` (same shape and dtype), in chunks on the I/O threads.
 
-    Small tensors are batched into jobs of about the chunk size, so a state
-    of many small tensors is spread over the threads as well.
+    Contiguous tensors are copied as runs of bytes (``storage.memcopy.copy_bytes``:
+    non-temporal stores where available), cut into ``knobs.IO_CHUNK_BYTES``
+    pieces and batched so small tensors share threads too; the jobs run on
+    ``storage.run_parallel``. Anything not a plain run of bytes
+    (non-contiguous, conj/neg views) uses ``dst.copy_(src)``.
 
-    Why not ``dst.copy_(src)``: torch's intra-op (OpenMP) copy slows down
-    several-fold when other processes compete for the cores (its workers spin
-    at barriers), which is the usual state of a training box; byte-copy
-    chunks on a small thread pool stay near memory bandwidth, and with
-    non-temporal stores (``storage.memcopy.copy_bytes``) they skip reading
-    the destination into the cache first. Anything not a
-    plain run of bytes (non-contiguous, conj/neg views) still uses ``copy_``.
-    Chunk size and thread count: ``knobs.IO_CHUNK_BYTES`` and ``knobs.IO_THREADS``.
+    Why not ``dst.copy_(src)`` for everything: torch's intra-op (OpenMP)
+    copy slows down several-fold when other processes compete for the cores
+    (its workers spin at barriers), which is the usual state of a training
+    box; byte-copy chunks on a small thread pool stay near memory bandwidth.
     """
-
-    def __init__(self):
-        self._pool = None
-        self._workers = 0
-
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        step = max(1, knobs.IO_CHUNK_BYTES)
-        moves = []
-        for dst, src in pairs:
-            nbytes = src.numel() * src.element_size()
-            if not _raw_bytes_ok(dst, src):
-                dst.copy_(src)
-            elif nbytes:
-                moves += [(dst.data_ptr() + off, src.data_ptr() + off, min(step, nbytes - off))
-                          for off in range(0, nbytes, step)]
-        jobs = _batches(moves, step)
-        workers = max(1, min(knobs.IO_THREADS, os.cpu_count() or 1, len(jobs)))
-        if workers == 1:
-            for job in jobs:
-                _copy_all(job)
-            return
-        for _ in self._executor(workers).map(_copy_all, jobs):  # re-raises a worker's exception here
-            pass
-
-    def _executor(self, workers: int) -> ThreadPoolExecutor:
-        if self._pool is None or self._workers != workers:
-            self.close()
-            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="shardkit-stage")
-            self._workers = workers
-        return self._pool
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+    step = max(1, knobs.IO_CHUNK_BYTES)
+    moves = []
+    for dst, src in pairs:
+        nbytes = src.numel() * src.element_size()
+        if not _raw_bytes_ok(dst, src):
+            dst.copy_(src)
+        elif nbytes:
+            moves += [(dst.data_ptr() + off, src.data_ptr() + off, min(step, nbytes - off))
+                      for off in range(0, nbytes, step)]
+    run_parallel([lambda job=job: _copy_all(job) for job in _batches(moves, step)])
 
 
 def _map_leaves(node: Any, path: tuple, fn: Callable[[tuple, torch.Tensor], torch.Tensor]) -> Any:

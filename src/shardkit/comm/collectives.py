@@ -125,11 +125,8 @@ class Collectives:
         self._run(tensors, "all_reduce_", stream, lambda ts: self._all_reduce_buckets(ts, op))
 
     def _all_reduce_buckets(self, tensors, op: ReduceOp) -> None:
-        if len(tensors) == 1:
-            buckets = [[0]]  # the common case of one tensor: nothing to plan
-        else:
-            buckets = plan_buckets([t.numel() * t.element_size() for t in tensors],
-                                   [(t.dtype, t.device) for t in tensors], knobs.COMM_BUCKET_BYTES)
+        buckets = plan_buckets([t.numel() * t.element_size() for t in tensors],
+                               [(t.dtype, t.device) for t in tensors], knobs.COMM_BUCKET_BYTES)
         pending = []
         for idx in buckets:  # issue them all, then wait: buckets overlap on the wire
             group = [tensors[i] for i in idx]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from shardkit import knobs
-from shardkit.dtypes import from_safetensors_name, to_safetensors_name
+from shardkit.dtypes import from_safetensors_name, itemsize_bytes, to_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.storage import Storage, byte_view, read_header, read_ranges, run_parallel
 
@@ -77,7 +77,7 @@ def map_shard(storage: Storage, path: str, names: list[str]) -> dict[str, torch.
     for name in names:
         entry = _entry(header, path, name)
         dtype = from_safetensors_name(entry.dtype)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = itemsize_bytes(dtype)
         numel = (entry.end - entry.begin) // itemsize
         if numel == 0 or entry.begin % itemsize:
             copies.append(name)

@@ -84,8 +84,8 @@ class _LocalReader(Reader):
         super().__init__(path, os.fstat(self._fd).st_size)
         self._map_lock = threading.Lock()
         self._map: mmap.mmap | None = None
-        self._map_view = None  # the numpy view that holds the map's address
-        self._map_tried = False
+        self._map_view = None  # numpy view of the map: its .ctypes.data is the address
+        self._map_address: int | None = None  # None: not mapped yet; 0: cannot be mapped
 
     def read_into(self, offset: int, out: memoryview) -> None:
         out = out.cast("B") if out.format != "B" else out
@@ -104,15 +104,16 @@ class _LocalReader(Reader):
 
     def _mapped_address(self) -> int:
         with self._map_lock:
-            if not self._map_tried:
-                self._map_tried = True
+            if self._map_address is None:
+                self._map_address = 0
                 try:
                     self._map = mmap.mmap(self._fd, self.size_bytes, access=mmap.ACCESS_READ)
                 except (OSError, ValueError):  # not mappable (a pipe, a special file): read instead
                     self._map = None
                 else:
                     self._map_view = np.frombuffer(self._map, dtype=np.uint8)
-            return 0 if self._map_view is None else self._map_view.ctypes.data
+                    self._map_address = self._map_view.ctypes.data
+            return self._map_address
 
     def _unmap_pages(self, offset: int, length: int) -> None:
         # Drop this range's page-table entries once copied: the pages stay in the
@@ -127,7 +128,7 @@ class _LocalReader(Reader):
 
     def close(self) -> None:
         with self._map_lock:
-            self._map_view = None
+            self._map_view, self._map_address = None, 0
             if self._map is not None:
                 self._map.close()
                 self._map = None
