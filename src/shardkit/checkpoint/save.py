@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Callable
 
 import xxhash
 
@@ -59,7 +60,9 @@ __all__ = ["save_distributed"]
 
 
 @dataclass
-class _Prepared:
+class PreparedSave:
+    """A planned save: the flattened state, which tensors this rank writes, the manifest to commit."""
+
     flat: Flat
     plan: SavePlan
     manifest: Manifest
@@ -85,14 +88,26 @@ def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=Non
     check_world(rank, world_size)
     coordinator = resolve_group(group, rank, world_size)
     storage, directory = storage_for(dir)
+    run_save(storage, directory, coordinator,
+             lambda: prepare_save(state_dict, rank, world_size, shard_spec, metadata), write_rank_files)
+
+
+def run_save(storage: Storage, directory: str, coordinator, prepare: Callable[[], PreparedSave],
+             write: Callable[[Storage, str, PreparedSave], dict[str, FileRecord]]) -> None:
+    """The steps of a save around ``write`` (which writes this rank's files and returns their records).
+
+    ``save_distributed`` passes :func:`write_rank_files`; a background save may
+    pass a ``write`` that has another process write the same files from a
+    snapshot. ``prepare`` runs first (under the group's agreement, if any).
+    """
     if coordinator is None:
-        _save_alone(storage, directory, _prepare(state_dict, rank, world_size, shard_spec, metadata))
+        _save_alone(storage, directory, prepare(), write)
     else:
-        _save_with_group(storage, directory, coordinator,
-                         lambda: _prepare(state_dict, rank, world_size, shard_spec, metadata))
+        _save_with_group(storage, directory, coordinator, prepare, write)
 
 
-def _prepare(state_dict, rank, world_size, shard_spec, user_metadata) -> _Prepared:
+def prepare_save(state_dict, rank, world_size, shard_spec, user_metadata) -> PreparedSave:
+    """Check the inputs and plan this rank's part of a save; reads tensors' shapes and dtypes, not their bytes."""
     flat = flatten(state_dict)
     specs = as_spec_dict(shard_spec, world_size)
     for name in specs:
@@ -111,7 +126,7 @@ def _prepare(state_dict, rank, world_size, shard_spec, user_metadata) -> _Prepar
     saved = {n: SavedTensor(s.spec, s.dtype, plan.owner_of.get(n)) for n, s in saved.items()}
     manifest = Manifest(1, world_size, saved, {}, flat.objects, flat.structure, _user_metadata(user_metadata))
     manifest.save_id = _save_id(manifest)
-    return _Prepared(flat, plan, manifest, _digest(manifest))
+    return PreparedSave(flat, plan, manifest, _digest(manifest))
 
 
 def _user_metadata(metadata) -> dict:
@@ -155,7 +170,8 @@ def _withdraw(storage: Storage, directory: str, rank: int) -> None:
     _remove_if_present(storage, storage.join(directory, rank_manifest_name(rank)))
 
 
-def _write_rank_files(storage: Storage, directory: str, prep: _Prepared) -> dict[str, FileRecord]:
+def write_rank_files(storage: Storage, directory: str, prep: PreparedSave) -> dict[str, FileRecord]:
+    """Write ``rank_<r>.safetensors`` (atomically, with block checksums), then ``rank_<r>.json``; return the records."""
     rank, world_size = prep.plan.rank, prep.plan.world_size
     named = [(n, prep.flat.tensors[n]) for n in prep.plan.write_names]
     file_name = data_file_name(rank)
@@ -167,19 +183,19 @@ def _write_rank_files(storage: Storage, directory: str, prep: _Prepared) -> dict
     return records
 
 
-def _commit(storage: Storage, directory: str, prep: _Prepared, records: dict[str, FileRecord]) -> None:
+def _commit(storage: Storage, directory: str, prep: PreparedSave, records: dict[str, FileRecord]) -> None:
     prep.manifest.files = dict(records)
     write_json(storage, storage.join(directory, METADATA_FILE), manifest_to_json(prep.manifest))
 
 
-def _save_alone(storage: Storage, directory: str, prep: _Prepared) -> None:
+def _save_alone(storage: Storage, directory: str, prep: PreparedSave, write) -> None:
     _withdraw(storage, directory, prep.plan.rank)
-    records = _write_rank_files(storage, directory, prep)
+    records = write(storage, directory, prep)
     if prep.plan.rank == 0:
         _commit(storage, directory, prep, records)
 
 
-def _save_with_group(storage: Storage, directory: str, coordinator, prepare) -> None:
+def _save_with_group(storage: Storage, directory: str, coordinator, prepare, write) -> None:
     prep, exc = _attempt(prepare)
     statuses = exchange(coordinator, {"error": _describe(exc), "digest": prep.digest if prep else None})
     _raise_first(statuses, exc, "preparing the save")
@@ -190,7 +206,7 @@ def _save_with_group(storage: Storage, directory: str, coordinator, prepare) -> 
     rank = prep.plan.rank
     _, exc = _attempt(lambda: _withdraw(storage, directory, rank))
     _raise_first(exchange(coordinator, {"error": _describe(exc)}), exc, "withdrawing the previous metadata")
-    records, exc = _attempt(lambda: _write_rank_files(storage, directory, prep))
+    records, exc = _attempt(lambda: write(storage, directory, prep))
     statuses = exchange(coordinator, {"error": _describe(exc),
                                       "files": {f: r.to_json() for f, r in (records or {}).items()}})
     _raise_first(statuses, exc, "writing the data files")
