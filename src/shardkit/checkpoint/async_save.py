@@ -23,23 +23,6 @@ allocation (for CUDA, the slow pinned allocation). That costs one CPU copy
 of the state for the checkpointer's lifetime; ``reuse_buffers=False`` or
 :meth:`AsyncCheckpointer.close` gives it back.
 
-Fork snapshots. ``snapshot="fork"`` captures a CPU state without copying
-it: ``save_async`` forks a child process, whose memory is the state as it is
-at that instant (copy-on-write), and the child writes the files while this
-process runs the save's protocol (withdraw, group agreement, commit) on its
-background thread. The caller is blocked only for the fork (page tables:
-about 25 ms for a 2 GiB state on the 2-core reference box, against about 0.2 s
-for the copy), no staging buffers are kept, and each page training writes
-while the child lives is copied once, by the kernel, at that write. It
-applies on Linux, to local directories, when every tensor leaf is in private
-CPU memory; otherwise (CUDA tensors, ``share_memory_()`` or pinned tensors,
-a remote URL, a failed fork) that save copies as usual, and
-``CheckpointFuture.snapshot`` says which way it went. Not the default because
-a fork copies every thread's locks as they are: the child runs only
-shardkit's writer, but code that patches it to take a lock another thread of
-the caller holds would hang the child (the rule every fork-without-exec
-user, ``DataLoader`` workers included, lives by).
-
 Groups. With ``group=None`` no collective is issued (the seed's behaviour;
 rank 0 of 1 in a single process). With a group, the background thread runs
 the save's collectives while the caller keeps training, so they must not
@@ -126,8 +109,6 @@ class CheckpointFuture:
         self._started_s = time.monotonic()
         self._finished_s: float | None = None
         self._reported = False  # a failure already raised by wait(); close() does not repeat it
-        #: How the state was captured: "copy" (staging buffers) or "fork" (a snapshot process).
-        self.snapshot = "copy"
 
     def done(self) -> bool:
         """True once the background save has finished, successfully or not."""
@@ -174,10 +155,8 @@ class AsyncCheckpointer:
 
     ``dir``, ``rank``, ``world_size``, ``shard_spec`` and ``group`` mean what
     they mean for :func:`~shardkit.checkpoint.save_distributed`; ``dir`` is the
-    default target of :meth:`save_async`. ``snapshot`` is ``"copy"`` (staging
-    buffers, the default) or ``"fork"`` (a copy-on-write child process). See
-    the module docstring for what it does not do, for fork snapshots and for
-    how it treats ``group``.
+    default target of :meth:`save_async`. See the module docstring for what
+    it does not do and for how it treats ``group``.
 
     Example::
 
@@ -186,10 +165,7 @@ class AsyncCheckpointer:
     """
 
     def __init__(self, dir, rank: int, world_size: int, shard_spec, *, group=None,
-                 dedicated_group: bool = True, reuse_buffers: bool = True, snapshot: str = "copy"):
-        if snapshot not in ("copy", "fork"):
-            raise ValueError(f"snapshot must be 'copy' or 'fork', got {snapshot!r}")
-        self.snapshot = snapshot
+                 dedicated_group: bool = True, reuse_buffers: bool = True):
         self.dir = os.fspath(dir)
         self.rank = rank
         self.world_size = world_size
@@ -208,14 +184,14 @@ class AsyncCheckpointer:
     def save_async(self, state_dict, *, dir=None) -> CheckpointFuture:
         """Stage ``state_dict`` to CPU memory now, write it in the background; return its future.
 
-        Blocks only for the staging copy (or the fork). Raises ``AsyncCheckpointError`` at once
+        Blocks only for the staging copy. Raises ``AsyncCheckpointError`` at once
         if a save is still in flight, if the checkpointer is closed, or if
         staging fails (e.g. out of host memory); nothing is written then.
         """
         target = self.dir if dir is None else os.fspath(dir)
         future = self._claim(target)
         try:
-            save = self._snapshot(state_dict, target, future)
+            staged = self._stage_checked(state_dict)
         except BaseException as e:
             self._release(future)
             raise AsyncCheckpointError(
@@ -223,7 +199,7 @@ class AsyncCheckpointer:
                 f"{type(e).__name__}: {e}"
             ) from e
         thread = threading.Thread(
-            target=self._run, args=(future, save),
+            target=self._run, args=(future, staged, target),
             name=f"shardkit-async-save-rank{self.rank}",
             # Not a daemon: a process that ends its main thread still finishes the save.
             daemon=False,
@@ -232,7 +208,6 @@ class AsyncCheckpointer:
         try:
             thread.start()
         except BaseException as e:
-            getattr(save, "cancel", lambda: None)()
             self._release(future)
             raise AsyncCheckpointError(f"could not start the background save thread: {e}") from e
         return future
@@ -244,11 +219,7 @@ class AsyncCheckpointer:
         for CUDA tensors, pinning) one host copy of the state while the caller
         waits. Call it once at start-up, when a pause costs nothing. Raises
         ``AsyncCheckpointError`` while a save is in flight (its buffers are busy).
-        With ``snapshot="fork"`` and a state that a fork captures, there is
-        nothing to allocate and it returns at once.
         """
-        if self.snapshot == "fork" and self._fork_applies(state_dict):
-            return
         with self._lock:  # held while staging: a concurrent save_async must not take the buffers
             self._check_idle(self.dir)
             try:
@@ -315,27 +286,6 @@ class AsyncCheckpointer:
             self._in_flight = future
             return future
 
-    def _snapshot(self, state_dict, target: str, future: CheckpointFuture):
-        """Capture the state now (fork or copy); return what the background thread runs."""
-        if self.snapshot == "fork":
-            from shardkit.checkpoint.nested import flatten
-            from shardkit.checkpoint.snapshot import start_fork_save
-
-            flatten(state_dict)  # refuse what the save would refuse, here and now (as staging does)
-            save = start_fork_save(state_dict, target, self.rank, self.world_size, self.shard_spec, self.group)
-            if save is not None:
-                future.snapshot = "fork"
-                return save
-        staged = self._stage_checked(state_dict)
-        return lambda: _save_staged(staged, target, self.rank, self.world_size, self.shard_spec, self.group)
-
-    def _fork_applies(self, state_dict) -> bool:
-        from shardkit.checkpoint.nested import flatten
-        from shardkit.checkpoint.snapshot import fork_applies
-        from shardkit.storage import storage_for
-
-        return fork_applies(flatten(state_dict).tensors.values(), storage_for(self.dir)[0])
-
     def _stage_checked(self, state_dict):
         staged, buffers = stage(state_dict, self._buffers if self.reuse_buffers else {})
         # Refuse what the save would refuse (non-str keys, leaves that need pickle) here and
@@ -351,14 +301,14 @@ class AsyncCheckpointer:
             if self._in_flight is future:
                 self._in_flight = None
 
-    def _run(self, future: CheckpointFuture, save) -> None:
+    def _run(self, future: CheckpointFuture, staged, target: str) -> None:
         error = None
         try:
-            save()
+            _save_staged(staged, target, self.rank, self.world_size, self.shard_spec, self.group)
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             error = e
         finally:
-            del save  # the staged copy, or the snapshot process's handle
+            del staged
             # Last: once done() is true the staging buffers may be reused.
             future._finish(error)
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Callable
 
 import xxhash
 
@@ -60,9 +59,7 @@ __all__ = ["save_distributed"]
 
 
 @dataclass
-class PreparedSave:
-    """A planned save: the flattened state, which tensors this rank writes, the manifest to commit."""
-
+class _Prepared:
     flat: Flat
     plan: SavePlan
     manifest: Manifest
@@ -88,26 +85,14 @@ def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=Non
     check_world(rank, world_size)
     coordinator = resolve_group(group, rank, world_size)
     storage, directory = storage_for(dir)
-    run_save(storage, directory, coordinator,
-             lambda: prepare_save(state_dict, rank, world_size, shard_spec, metadata), write_rank_files)
-
-
-def run_save(storage: Storage, directory: str, coordinator, prepare: Callable[[], PreparedSave],
-             write: Callable[[Storage, str, PreparedSave], dict[str, FileRecord]]) -> None:
-    """The steps of a save around ``write`` (which writes this rank's files and returns their records).
-
-    ``save_distributed`` passes :func:`write_rank_files`; a background save may
-    pass a ``write`` that has another process write the same files from a
-    snapshot. ``prepare`` runs first (under the group's agreement, if any).
-    """
     if coordinator is None:
-        _save_alone(storage, directory, prepare(), write)
+        _save_alone(storage, directory, _prepare(state_dict, rank, world_size, shard_spec, metadata))
     else:
-        _save_with_group(storage, directory, coordinator, prepare, write)
+        _save_with_group(storage, directory, coordinator,
+                         lambda: _prepare(state_dict, rank, world_size, shard_spec, metadata))
 
 
-def prepare_save(state_dict, rank, world_size, shard_spec, user_metadata) -> PreparedSave:
-    """Check the inputs and plan this rank's part of a save; reads tensors' shapes and dtypes, not their bytes."""
+def _prepare(state_dict, rank, world_size, shard_spec, user_metadata) -> _Prepared:
     flat = flatten(state_dict)
     specs = as_spec_dict(shard_spec, world_size)
     for name in specs:
@@ -126,7 +111,7 @@ def prepare_save(state_dict, rank, world_size, shard_spec, user_metadata) -> Pre
     saved = {n: SavedTensor(s.spec, s.dtype, plan.owner_of.get(n)) for n, s in saved.items()}
     manifest = Manifest(1, world_size, saved, {}, flat.objects, flat.structure, _user_metadata(user_metadata))
     manifest.save_id = _save_id(manifest)
-    return PreparedSave(flat, plan, manifest, _digest(manifest))
+    return _Prepared(flat, plan, manifest, _digest(manifest))
 
 
 def _user_metadata(metadata) -> dict:
@@ -170,8 +155,7 @@ def _withdraw(storage: Storage, directory: str, rank: int) -> None:
     _remove_if_present(storage, storage.join(directory, rank_manifest_name(rank)))
 
 
-def write_rank_files(storage: Storage, directory: str, prep: PreparedSave) -> dict[str, FileRecord]:
-    """Write ``rank_<r>.safetensors`` (atomically, with block checksums), then ``rank_<r>.json``; return the records."""
+def _write_rank_files(storage: Storage, directory: str, prep: _Prepared) -> dict[str, FileRecord]:
     rank, world_size = prep.plan.rank, prep.plan.world_size
     named = [(n, prep.flat.tensors[n]) for n in prep.plan.write_names]
     file_name = data_file_name(rank)
@@ -183,19 +167,19 @@ def write_rank_files(storage: Storage, directory: str, prep: PreparedSave) -> di
     return records
 
 
-def _commit(storage: Storage, directory: str, prep: PreparedSave, records: dict[str, FileRecord]) -> None:
+def _commit(storage: Storage, directory: str, prep: _Prepared, records: dict[str, FileRecord]) -> None:
     prep.manifest.files = dict(records)
     write_json(storage, storage.join(directory, METADATA_FILE), manifest_to_json(prep.manifest))
 
 
-def _save_alone(storage: Storage, directory: str, prep: PreparedSave, write) -> None:
+def _save_alone(storage: Storage, directory: str, prep: _Prepared) -> None:
     _withdraw(storage, directory, prep.plan.rank)
-    records = write(storage, directory, prep)
+    records = _write_rank_files(storage, directory, prep)
     if prep.plan.rank == 0:
         _commit(storage, directory, prep, records)
 
 
-def _save_with_group(storage: Storage, directory: str, coordinator, prepare, write) -> None:
+def _save_with_group(storage: Storage, directory: str, coordinator, prepare) -> None:
     prep, exc = _attempt(prepare)
     statuses = exchange(coordinator, {"error": _describe(exc), "digest": prep.digest if prep else None})
     _raise_first(statuses, exc, "preparing the save")
@@ -206,7 +190,7 @@ def _save_with_group(storage: Storage, directory: str, coordinator, prepare, wri
     rank = prep.plan.rank
     _, exc = _attempt(lambda: _withdraw(storage, directory, rank))
     _raise_first(exchange(coordinator, {"error": _describe(exc)}), exc, "withdrawing the previous metadata")
-    records, exc = _attempt(lambda: write(storage, directory, prep))
+    records, exc = _attempt(lambda: _write_rank_files(storage, directory, prep))
     statuses = exchange(coordinator, {"error": _describe(exc),
                                       "files": {f: r.to_json() for f, r in (records or {}).items()}})
     _raise_first(statuses, exc, "writing the data files")
