@@ -55,6 +55,12 @@ WRITE_THREADS: int = max(1, min(4, (os.cpu_count() or 2) // 2))
 #: either way; ``validate_distributed`` always re-hashes every byte.
 VERIFY_ON_LOAD: bool = False
 
+#: ``load_distributed(out=...)`` reads a GPU or non-contiguous ``out`` tensor
+#: through a temporary CPU tensor; temporaries of at most this many bytes are
+#: alive at once (a larger tensor is staged alone), so loading a GPU state
+#: does not hold a second copy of it in host memory.
+LOAD_STAGE_BYTES: int = 256 * 1024 * 1024
+
 # --- communication (shardkit.comm) -------------------------------------------
 
 #: Largest flat buffer ``all_reduce_`` / ``broadcast_`` pack small tensors into;

@@ -1,11 +1,13 @@
 """Carry out a load plan: open each needed data file once, check it, read the planned bytes.
 
 Direct pieces (contiguous in the file and in the output) are read straight
-into the output tensors: no extra copy. Other pieces go through a scratch
-buffer of at most ``knobs.IO_CHUNK_BYTES`` and are copied out with a
-strided view. Independent jobs run on the shared I/O threads
-(``storage.run_parallel``, ``knobs.IO_THREADS`` of them). A rank's extra
-memory is therefore a few scratch buffers, never a whole tensor or file. This module does not decide what to read (``plan.py``).
+into the output tensors: no extra copy. The outputs are allocated here, or
+given by the caller (``outputs``, to load into existing tensors). Other
+pieces go through a scratch buffer of at most ``knobs.IO_CHUNK_BYTES`` and
+are copied out with a strided view. Independent jobs run on the shared I/O
+threads (``storage.run_parallel``, ``knobs.IO_THREADS`` of them). A rank's
+extra memory is therefore a few scratch buffers, never a whole tensor or
+file. This module does not decide what to read (``plan.py``).
 
 Example::
 
@@ -17,13 +19,15 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
+from shardkit import knobs
 from shardkit.dtypes import from_safetensors_name, to_safetensors_name
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError, TensorMismatchError
-from shardkit.checkpoint.plan import ChunkRead, TensorLoad
+from shardkit.checkpoint.manifest import SavedTensor
+from shardkit.checkpoint.plan import ChunkRead, TensorLoad, saved_chunks
 from shardkit.storage import (
     FileRecord,
     Reader,
@@ -35,7 +39,7 @@ from shardkit.storage import (
     run_parallel,
 )
 
-__all__ = ["OpenFiles", "run_loads"]
+__all__ = ["OpenFiles", "run_loads", "check_plans", "saved_dtype", "scratch_elems_of"]
 
 #: Direct reads are cut into jobs of about this size so threads can share one big file.
 _JOB_BYTES = 64 * 1024 * 1024
@@ -97,9 +101,18 @@ def _verify_header_bytes(reader: Reader, record: FileRecord) -> None:
         read_ranges(reader, [(0, memoryview(bytearray(header_end)))], record)
 
 
-def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str], torch.dtype]) -> dict[str, torch.Tensor]:
-    """Allocate every output tensor and fill it as planned; returns them by name."""
-    outputs = {p.name: torch.empty(p.out_shape, dtype=dtype_of(p.name)) for p in plans}
+def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str], torch.dtype],
+              outputs: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Fill every planned output tensor; returns them by name.
+
+    ``outputs`` (by name) are read into as they are, with no temporary: each
+    must be a contiguous CPU tensor of the planned shape and dtype. Every
+    other output is allocated here. It does not check those tensors' values
+    or convert anything; a wrong one raises :class:`TensorMismatchError`.
+
+    >>> run_loads(files, plans, dtypes.__getitem__, {"w": model_w})["w"] is model_w
+    """
+    outputs = {p.name: _output(p, dtype_of(p.name), outputs or {}) for p in plans}
     jobs: list[Callable[[], None]] = []
     direct: dict[str, list[tuple[int, memoryview]]] = {}
     for plan in plans:
@@ -119,6 +132,49 @@ def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str
             jobs.append(lambda f=file, rs=batch: _read_direct(files, f, rs))
     run_parallel(jobs)
     return outputs
+
+
+def _output(plan: TensorLoad, dtype: torch.dtype, given: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    out = given.get(plan.name)
+    if out is None:
+        return torch.empty(plan.out_shape, dtype=dtype)
+    found = (tuple(out.shape), out.dtype, out.device.type, out.is_contiguous())
+    if found != (tuple(plan.out_shape), dtype, "cpu", True):
+        raise TensorMismatchError(
+            f"the output given for tensor {plan.name!r} is a {list(out.shape)} {out.dtype} tensor on "
+            f"{out.device} (contiguous: {out.is_contiguous()}); reading straight into it needs a contiguous "
+            f"CPU {list(plan.out_shape)} {dtype} tensor. Pass another tensor, or none to allocate one")
+    return out.detach()  # the same memory; one that requires grad cannot be viewed as bytes
+
+
+def check_plans(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str], torch.dtype]) -> None:
+    """Check every file header a plan reads from (name, dtype, chunk shape), reading no tensor bytes.
+
+    ``run_loads`` does the same per call; this lets a caller that splits one
+    load into several calls find a mismatched file before anything is written.
+    """
+    for plan in plans:
+        for chunk in plan.reads:
+            _check_entry(files, plan.name, chunk, dtype_of(plan.name))
+
+
+def saved_dtype(files: OpenFiles, name: str, saved: SavedTensor) -> torch.dtype:
+    """The saved dtype of tensor ``name``: from the manifest, else (seed format) from a file header."""
+    if saved.dtype is not None:
+        return from_safetensors_name(saved.dtype)
+    # Seed format: the dtype lives only in the headers (F32 or F64).
+    for file, _ in saved_chunks(saved):
+        entry = files.get(file)[1].tensors.get(name)
+        if entry is not None:
+            return from_safetensors_name(entry.dtype)
+    raise MetadataError(f"no data file holds tensor {name!r}, which metadata.json describes")
+
+
+def scratch_elems_of(dtypes: Mapping[str, torch.dtype]) -> Callable[[str], int]:
+    """The scratch size, in elements of each tensor, that ``plan_load`` may use per read job."""
+    # IO_CHUNK_BYTES bounds the scratch of all reading threads together, not each.
+    scratch_bytes = knobs.IO_CHUNK_BYTES // max(1, knobs.IO_THREADS)
+    return lambda name: max(1, scratch_bytes // dtypes[name].itemsize)
 
 
 def _check_entry(files: OpenFiles, name: str, chunk: ChunkRead, dtype: torch.dtype) -> int:

@@ -15,9 +15,18 @@ it a load still refuses a file whose size differs from its record
 metadata; ``validate_distributed`` always re-hashes every byte. Seed-format
 directories have no checksums; their sizes are checked against the headers.
 
+**In place** (``out=``): :func:`load_distributed` can fill the tensors a
+training job already has, like ``torch.distributed.checkpoint.load`` or
+``module.load_state_dict``: no second copy of the state, no fresh pages.
+Contiguous CPU tensors are read into directly; GPU and non-contiguous ones
+through bounded CPU temporaries (``load_into.py``). Names, shapes and dtypes
+must match this rank's slices exactly (nothing is cast); all are checked
+before a byte is read.
+
 Example::
 
     state = load_distributed("/ckpt/step-10", rank=1, world_size=3)   # saved on 4 ranks
+    load_distributed("/ckpt/step-10", rank=1, world_size=3, out={"model": model.state_dict()})
     block = load_region("/ckpt/step-10", "layers.0.w", (0, 128), (16, 64))
 """
 
@@ -28,12 +37,12 @@ from typing import Sequence
 import torch
 
 from shardkit import knobs
-from shardkit.checkpoint.execute import OpenFiles, run_loads
+from shardkit.checkpoint.execute import OpenFiles, run_loads, saved_dtype, scratch_elems_of
+from shardkit.checkpoint.load_into import load_into
 from shardkit.checkpoint.manifest import Manifest, file_records, read_manifest
 from shardkit.checkpoint.nested import select_names, unflatten
-from shardkit.checkpoint.plan import plan_load, saved_chunks, wanted_box
+from shardkit.checkpoint.plan import plan_load, wanted_box
 from shardkit.checkpoint.spec import check_world
-from shardkit.dtypes import from_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box, whole_box
 from shardkit.storage import storage_for
@@ -47,7 +56,7 @@ def read_metadata(dir) -> Manifest:
     return read_manifest(storage, directory)
 
 
-def load_distributed(dir, rank, world_size, *, keys=None, device="cpu", verify=None) -> dict:
+def load_distributed(dir, rank, world_size, *, keys=None, device="cpu", verify=None, out=None) -> dict:
     """This rank's part of the checkpoint, as the nested state that was saved.
 
     Sharded tensors come back as this rank's slice: the saved slice when
@@ -57,11 +66,26 @@ def load_distributed(dir, rank, world_size, *, keys=None, device="cpu", verify=N
     (dotted names or prefixes) restricts what is read. It does not load the
     other ranks' bytes. Seed-format directories come back as a flat dict.
 
+    With ``out`` (a nested state, e.g. ``{"model": model.state_dict(), ...}``)
+    nothing is allocated: each tensor leaf of ``out`` is filled in place with
+    the slice above (only those tensors are read; with ``keys`` too, only
+    those both select), plain leaves the checkpoint also holds are replaced
+    in their container, and ``out`` itself is returned. ``device`` is then
+    ignored: every tensor stays where it is (CPU, GPU). A leaf the checkpoint
+    lacks, a shape other than this rank's slice or a dtype other than the
+    saved one raises :class:`TensorMismatchError` before anything is read,
+    leaving ``out`` untouched; nothing is cast and no leaf is added.
+
     >>> load_distributed("/ckpt/step-10", rank=0, world_size=3)["model"]["w"].shape
+    >>> state = {"model": model.state_dict(), "step": 0}
+    >>> load_distributed("/ckpt/step-10", rank=0, world_size=3, out=state) is state
+    True
     """
     check_world(rank, world_size)
     storage, directory = storage_for(dir)
     m = read_manifest(storage, directory)
+    if out is not None:
+        return load_into(out, storage, directory, m, rank, world_size, keys=keys, verify=verify)
     names = select_names(list(m.tensors) + list(m.objects), keys)
     want = {n: wanted_box(m.tensors[n], m.num_ranks, rank, world_size) for n in names if n in m.tensors}
     tensors = _load_boxes(storage, directory, m, want, verify)
@@ -134,23 +158,9 @@ def _load_boxes(storage, directory: str, m: Manifest, want: dict[str, Box], veri
     verify = knobs.VERIFY_ON_LOAD if verify is None else bool(verify)
     records = file_records(storage, directory, m)
     with OpenFiles(storage, directory, records, verify=verify) as files:
-        dtypes = {n: _dtype(files, m, n) for n in want}
-        # IO_CHUNK_BYTES bounds the scratch of all reading threads together, not each.
-        scratch_bytes = knobs.IO_CHUNK_BYTES // max(1, knobs.IO_THREADS)
-        plans = plan_load(m.tensors, want, lambda n: max(1, scratch_bytes // dtypes[n].itemsize))
+        dtypes = {n: saved_dtype(files, n, m.tensors[n]) for n in want}
+        plans = plan_load(m.tensors, want, scratch_elems_of(dtypes))
         return run_loads(files, plans, dtypes.__getitem__)
-
-
-def _dtype(files: OpenFiles, m: Manifest, name: str) -> torch.dtype:
-    saved = m.tensors[name]
-    if saved.dtype is not None:
-        return from_safetensors_name(saved.dtype)
-    # Seed format: the dtype lives only in the headers (F32 or F64).
-    for file, _ in saved_chunks(saved):
-        entry = files.get(file)[1].tensors.get(name)
-        if entry is not None:
-            return from_safetensors_name(entry.dtype)
-    raise MetadataError(f"no data file holds tensor {name!r}, which metadata.json describes")
 
 
 def _to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:

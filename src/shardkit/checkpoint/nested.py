@@ -26,7 +26,7 @@ import torch
 
 from shardkit.errors import TensorMismatchError
 
-__all__ = ["Flat", "flatten", "unflatten", "select_names", "PLAIN_TYPES"]
+__all__ = ["Flat", "flatten", "unflatten", "select_names", "join_name", "PLAIN_TYPES"]
 
 PLAIN_TYPES = (bool, int, float, str, type(None))
 _TENSOR, _OBJECT = "T", "O"
@@ -67,18 +67,19 @@ def _walk(node: Any, path: str, flat: Flat) -> Any:
             if not isinstance(key, (str, int)) or isinstance(key, bool):
                 raise TypeError(f"state key {key!r} under {path or 'the top level'!r} is a "
                                 f"{type(key).__name__}; only str and int keys can be saved")
-            items.append([key, _walk(child, _join(path, key), flat)])
+            items.append([key, _walk(child, join_name(path, key), flat)])
         return {"dict": items}
     if isinstance(node, (list, tuple)):
         kind = "list" if isinstance(node, list) else "tuple"
-        return {kind: [_walk(child, _join(path, i), flat) for i, child in enumerate(node)]}
+        return {kind: [_walk(child, join_name(path, i), flat) for i, child in enumerate(node)]}
     raise TypeError(
         f"state leaf {path!r} is a {type(node).__name__}; shardkit saves tensors, dicts, lists, tuples "
         f"and int/float/bool/str/None, and never pickles. Convert it (e.g. to a tensor or a dict)."
     )
 
 
-def _join(path: str, key: Any) -> str:
+def join_name(path: str, key: Any) -> str:
+    """The dotted name of ``key`` under ``path`` (``join_name("optim.state", 0) == "optim.state.0"``)."""
     return f"{path}.{key}" if path else str(key)
 
 
@@ -116,10 +117,10 @@ def _build(node: Any, path: str, leaves: Mapping[str, Any], keep: set[str] | Non
         return leaves[path]
     (kind, children), = node.items()
     if kind == "dict":
-        built = {key: _build(child, _join(path, key), leaves, keep) for key, child in children}
+        built = {key: _build(child, join_name(path, key), leaves, keep) for key, child in children}
         built = {k: v for k, v in built.items() if v is not _MISSING}
     else:
-        built = [_build(child, _join(path, i), leaves, keep) for i, child in enumerate(children)]
+        built = [_build(child, join_name(path, i), leaves, keep) for i, child in enumerate(children)]
         built = [v for v in built if v is not _MISSING]
         built = tuple(built) if kind == "tuple" else built
     if keep is not None and path and not built:
