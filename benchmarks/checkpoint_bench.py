@@ -73,6 +73,37 @@ def bench_load(state, workdir: str, reps: int) -> list[dict]:
             for impl, timing in timings.items()]
 
 
+def bench_load_into(state, workdir: str, reps: int) -> list[dict]:
+    """Loads into tensors that already exist (``out=``; DCP's own in-place API), warm cache, interleaved.
+
+    Each impl fills its own destination state, allocated and first touched
+    once, untimed, as a training job's model and optimizer already are.
+    """
+    nbytes = state_bytes(state)
+    cases = {
+        "shardkit": ("shardkit", lambda p: save_distributed(state, p, 0, 1, SINGLE),
+                     lambda p, dest: load_distributed(p, 0, 1, out=dest)),
+        "torch.distributed.checkpoint.load": ("dcp", lambda p: peers.dcp_save(state, p),
+                                              lambda p, dest: peers.dcp_load_into(dest, p)),
+        "read from page cache into them, 1 thread (limit)": ("raw", lambda p: peers.raw_write(state, p),
+                                                              lambda p, dest: peers.raw_read_into(dest, p)),
+    }
+    loads, paths = {}, []
+    for impl, (sub, save, load) in cases.items():
+        path = os.path.join(workdir, "into-" + sub)
+        shutil.rmtree(path, ignore_errors=True)
+        save(path)
+        paths.append(path)
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        load(path, dest)  # warms the page cache; checks the destination fits
+        loads[impl] = (lambda load=load, path=path, dest=dest: load(path, dest))
+    timings = time_interleaved(loads, reps)
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+    return [row("load in place (out=), warm cache", impl, timing, kind="limit" if "limit" in impl else "peer",
+                bytes=nbytes) for impl, timing in timings.items()]
+
+
 def bench_async(state, workdir: str, reps: int) -> list[dict]:
     """Time the caller is blocked by one save, all impls interleaved.
 
@@ -130,6 +161,7 @@ def run_checkpoint_benchmarks(size_bytes: int, reps: int, workdir: str, cases=("
         rows += bench_save(state, workdir, reps)
     if "load" in cases:
         rows += bench_load(state, workdir, reps)
+        rows += bench_load_into(state, workdir, reps)
     if "async" in cases:
         rows += bench_async(state, workdir, reps)
     return rows

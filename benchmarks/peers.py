@@ -32,11 +32,16 @@ def dcp_save(state: dict, path: str, process_group=None) -> None:
 
 def dcp_load(template: dict, path: str, process_group=None) -> dict:
     """DCP loads in place: the destination tensors are allocated here, then filled."""
+    state = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in template.items()}
+    return dcp_load_into(state, path, process_group)
+
+
+def dcp_load_into(dest: dict, path: str, process_group=None) -> dict:
+    """DCP's own way: fill the tensors of ``dest`` (allocated by the caller) in place."""
     import torch.distributed.checkpoint as dcp
 
-    state = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in template.items()}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=process_group)
-    return state
+    dcp.load(dest, storage_reader=dcp.FileSystemReader(path), process_group=process_group)
+    return dest
 
 
 def torch_save(state: dict, path: str) -> None:
@@ -102,6 +107,17 @@ def raw_read(template: dict, path: str) -> dict:
                 done += f.readinto(view[done:])
             out[name] = dst
     return out
+
+
+def raw_read_into(dest: dict, path: str) -> dict:
+    """The limit of an in-place load: the same bytes read from the page cache into existing tensors."""
+    with open(os.path.join(path, "raw.bin"), "rb", buffering=0) as f:
+        for t in dest.values():
+            view = byte_view(t)
+            done = 0
+            while done < len(view):
+                done += f.readinto(view[done:])
+    return dest
 
 
 def copy_once(state: dict, into: dict) -> None:
