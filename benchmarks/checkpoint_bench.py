@@ -128,11 +128,14 @@ def bench_async(state, workdir: str, reps: int) -> list[dict]:
         pending.append(checkpointer.save_async(state))
         pending.append(checkpointer)  # closed (buffers freed) by drain(), untimed
 
+    def dcp_async_save():
+        with peers.single_process_dcp():
+            pending.append(dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True)))
+
     impls = {
         "shardkit": lambda: pending.append(steady.save_async(state)),
         "shardkit, first save (allocates its buffers)": first_save,
-        "torch.distributed.checkpoint.async_save": lambda: pending.append(
-            dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))),
+        "torch.distributed.checkpoint.async_save": dcp_async_save,
         "shardkit save_distributed (sync)": lambda: save_distributed(state, path, 0, 1, SINGLE),
         "copy the state once into allocated memory (limit)": lambda: peers.copy_once(state, copy_into),
     }

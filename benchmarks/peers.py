@@ -6,7 +6,9 @@ state, including making the result durable (fsync) where the case says so.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 
 import torch
 
@@ -24,10 +26,19 @@ def fsync_tree(path: str) -> None:
                 os.close(fd)
 
 
+@contextlib.contextmanager
+def single_process_dcp():
+    """DCP warns on every call without a process group that it assumes one process, as meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def dcp_save(state: dict, path: str, process_group=None) -> None:
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True), process_group=process_group)
+    with single_process_dcp():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True), process_group=process_group)
 
 
 def dcp_load(template: dict, path: str, process_group=None) -> dict:
@@ -40,7 +51,8 @@ def dcp_load_into(dest: dict, path: str, process_group=None) -> dict:
     """DCP's own way: fill the tensors of ``dest`` (allocated by the caller) in place."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(dest, storage_reader=dcp.FileSystemReader(path), process_group=process_group)
+    with single_process_dcp():
+        dcp.load(dest, storage_reader=dcp.FileSystemReader(path), process_group=process_group)
     return dest
 
 
