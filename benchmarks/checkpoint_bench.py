@@ -45,63 +45,58 @@ def bench_save(state, workdir: str, reps: int) -> list[dict]:
             for impl, timing in timings.items()]
 
 
-def bench_load(state, workdir: str, reps: int) -> list[dict]:
-    """Each impl loads its own files, written once and read once untimed (warm cache); runs interleaved."""
-    nbytes = state_bytes(state)
-    cases = {
-        "shardkit": ("shardkit", lambda p: save_distributed(state, p, 0, 1, SINGLE),
-                     lambda p: load_distributed(p, 0, 1)),
-        "torch.distributed.checkpoint.load": ("dcp", lambda p: peers.dcp_save(state, p),
-                                              lambda p: peers.dcp_load(state, p)),
-        "torch.load(weights_only=True)": ("pt", lambda p: peers.torch_save(state, p), peers.torch_load),
-        "safetensors.load_file (mmap, pages touched)": ("st", lambda p: peers.safetensors_save(state, p),
-                                                        peers.safetensors_load),
-        "read from page cache, 1 thread (limit)": ("raw", lambda p: peers.raw_write(state, p),
-                                                   lambda p: peers.raw_read(state, p)),
-    }
-    loads = {}
+def _warm_loads(case: str, cases: dict, workdir: str, reps: int, nbytes: int) -> list[dict]:
+    """Each impl ``(subdir, save, load)`` loads its own files, written once and read once untimed
+    (warm cache; the read also checks the impl works); timed runs interleaved."""
+    loads, paths = {}, []
     for impl, (sub, save, load) in cases.items():
-        path = os.path.join(workdir, "load-" + sub)
+        path = os.path.join(workdir, sub)
+        paths.append(path)
         shutil.rmtree(path, ignore_errors=True)
         save(path)
-        load(path)  # warm the page cache
+        load(path)
         loads[impl] = (lambda load=load, path=path: load(path))
     timings = time_interleaved(loads, reps)
-    for sub, _, _ in cases.values():
-        shutil.rmtree(os.path.join(workdir, "load-" + sub), ignore_errors=True)
-    return [row("load, 1 rank, warm cache", impl, timing, kind="limit" if "limit" in impl else "peer", bytes=nbytes)
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+    return [row(case, impl, timing, kind="limit" if "limit" in impl else "peer", bytes=nbytes)
             for impl, timing in timings.items()]
+
+
+def bench_load(state, workdir: str, reps: int) -> list[dict]:
+    """Loads into fresh memory, each impl from its own files, warm cache, interleaved."""
+    return _warm_loads("load, 1 rank, warm cache", {
+        "shardkit": ("load-shardkit", lambda p: save_distributed(state, p, 0, 1, SINGLE),
+                     lambda p: load_distributed(p, 0, 1)),
+        "torch.distributed.checkpoint.load": ("load-dcp", lambda p: peers.dcp_save(state, p),
+                                              lambda p: peers.dcp_load(state, p)),
+        "torch.load(weights_only=True)": ("load-pt", lambda p: peers.torch_save(state, p), peers.torch_load),
+        "safetensors.load_file (mmap, pages touched)": ("load-st", lambda p: peers.safetensors_save(state, p),
+                                                        peers.safetensors_load),
+        "read from page cache, 1 thread (limit)": ("load-raw", lambda p: peers.raw_write(state, p),
+                                                   lambda p: peers.raw_read(state, p)),
+    }, workdir, reps, state_bytes(state))
 
 
 def bench_load_into(state, workdir: str, reps: int) -> list[dict]:
     """Loads into tensors that already exist (``out=``; DCP's own in-place API), warm cache, interleaved.
 
-    Each impl fills its own destination state, allocated and first touched
-    once, untimed, as a training job's model and optimizer already are.
+    Each impl fills its own destination state, allocated here and first
+    touched by the untimed warm-up read, as a training job's model and
+    optimizer already are.
     """
-    nbytes = state_bytes(state)
-    cases = {
-        "shardkit": ("shardkit", lambda p: save_distributed(state, p, 0, 1, SINGLE),
-                     lambda p, dest: load_distributed(p, 0, 1, out=dest)),
-        "torch.distributed.checkpoint.load": ("dcp", lambda p: peers.dcp_save(state, p),
-                                              lambda p, dest: peers.dcp_load_into(dest, p)),
-        "read from page cache into them, 1 thread (limit)": ("raw", lambda p: peers.raw_write(state, p),
-                                                              lambda p, dest: peers.raw_read_into(dest, p)),
-    }
-    loads, paths = {}, []
-    for impl, (sub, save, load) in cases.items():
-        path = os.path.join(workdir, "into-" + sub)
-        shutil.rmtree(path, ignore_errors=True)
-        save(path)
-        paths.append(path)
-        dest = {k: torch.zeros_like(v) for k, v in state.items()}
-        load(path, dest)  # warms the page cache; checks the destination fits
-        loads[impl] = (lambda load=load, path=path, dest=dest: load(path, dest))
-    timings = time_interleaved(loads, reps)
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
-    return [row("load in place (out=), warm cache", impl, timing, kind="limit" if "limit" in impl else "peer",
-                bytes=nbytes) for impl, timing in timings.items()]
+    def dest():
+        return {k: torch.zeros_like(v) for k, v in state.items()}
+
+    shardkit_out, dcp_out, raw_out = dest(), dest(), dest()
+    return _warm_loads("load in place (out=), warm cache", {
+        "shardkit": ("into-shardkit", lambda p: save_distributed(state, p, 0, 1, SINGLE),
+                     lambda p: load_distributed(p, 0, 1, out=shardkit_out)),
+        "torch.distributed.checkpoint.load": ("into-dcp", lambda p: peers.dcp_save(state, p),
+                                              lambda p: peers.dcp_load_into(dcp_out, p)),
+        "read from page cache into them, 1 thread (limit)": ("into-raw", lambda p: peers.raw_write(state, p),
+                                                              lambda p: peers.raw_read_into(raw_out, p)),
+    }, workdir, reps, state_bytes(state))
 
 
 def bench_async(state, workdir: str, reps: int) -> list[dict]:

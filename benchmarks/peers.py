@@ -109,16 +109,7 @@ def raw_write(state: dict, path: str) -> None:
 
 def raw_read(template: dict, path: str) -> dict:
     """The limit: the same bytes read from the page cache into fresh tensors."""
-    out = {}
-    with open(os.path.join(path, "raw.bin"), "rb", buffering=0) as f:
-        for name, t in template.items():
-            dst = torch.empty_like(t)
-            view = byte_view(dst)
-            done = 0
-            while done < len(view):
-                done += f.readinto(view[done:])
-            out[name] = dst
-    return out
+    return raw_read_into({name: torch.empty_like(t) for name, t in template.items()}, path)
 
 
 def raw_read_into(dest: dict, path: str) -> dict:

@@ -26,7 +26,7 @@ import torch
 from shardkit import knobs
 from shardkit.dtypes import from_safetensors_name, to_safetensors_name
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError, TensorMismatchError
-from shardkit.checkpoint.manifest import SavedTensor
+from shardkit.checkpoint.manifest import Manifest, SavedTensor, file_records
 from shardkit.checkpoint.plan import ChunkRead, TensorLoad, saved_chunks
 from shardkit.storage import (
     FileRecord,
@@ -52,6 +52,12 @@ class OpenFiles:
         self.storage, self.directory, self.records, self.verify = storage, directory, records, verify
         self._open: dict[str, tuple[Reader, SafetensorsHeader]] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def for_load(cls, storage: Storage, directory: str, m: Manifest, verify: bool | None) -> "OpenFiles":
+        """The data files of checkpoint ``m``, checked against its records; ``verify=None`` means ``knobs.VERIFY_ON_LOAD``."""
+        verify = knobs.VERIFY_ON_LOAD if verify is None else bool(verify)
+        return cls(storage, directory, file_records(storage, directory, m), verify=verify)
 
     def get(self, file: str) -> tuple[Reader, SafetensorsHeader, FileRecord | None]:
         with self._lock:

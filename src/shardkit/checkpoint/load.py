@@ -36,10 +36,9 @@ from typing import Sequence
 
 import torch
 
-from shardkit import knobs
 from shardkit.checkpoint.execute import OpenFiles, run_loads, saved_dtype, scratch_elems_of
 from shardkit.checkpoint.load_into import load_into
-from shardkit.checkpoint.manifest import Manifest, file_records, read_manifest
+from shardkit.checkpoint.manifest import Manifest, read_manifest
 from shardkit.checkpoint.nested import select_names, unflatten
 from shardkit.checkpoint.plan import plan_load, wanted_box
 from shardkit.checkpoint.spec import check_world
@@ -155,9 +154,7 @@ def _check_box(name: str, full_shape: tuple[int, ...], offsets, sizes) -> Box:
 
 
 def _load_boxes(storage, directory: str, m: Manifest, want: dict[str, Box], verify) -> dict[str, torch.Tensor]:
-    verify = knobs.VERIFY_ON_LOAD if verify is None else bool(verify)
-    records = file_records(storage, directory, m)
-    with OpenFiles(storage, directory, records, verify=verify) as files:
+    with OpenFiles.for_load(storage, directory, m, verify) as files:
         dtypes = {n: saved_dtype(files, n, m.tensors[n]) for n in want}
         plans = plan_load(m.tensors, want, scratch_elems_of(dtypes))
         return run_loads(files, plans, dtypes.__getitem__)

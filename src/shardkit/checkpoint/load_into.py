@@ -32,7 +32,7 @@ import torch
 
 from shardkit import knobs
 from shardkit.checkpoint.execute import OpenFiles, check_plans, run_loads, saved_dtype, scratch_elems_of
-from shardkit.checkpoint.manifest import Manifest, file_records
+from shardkit.checkpoint.manifest import Manifest
 from shardkit.checkpoint.nested import join_name, select_names
 from shardkit.checkpoint.plan import TensorLoad, plan_load, wanted_box
 from shardkit.errors import TensorMismatchError
@@ -61,8 +61,7 @@ def load_into(out: Mapping, storage: Storage, directory: str, m: Manifest, rank:
     targets = {n: tensors[n].detach() for n in tensors if n in names}  # detach: params that require grad
     want = {n: _check_target(n, t, m, rank, world_size) for n, t in targets.items()}
     _check_plain(others & names, m, rank, world_size)
-    verify = knobs.VERIFY_ON_LOAD if verify is None else bool(verify)
-    with OpenFiles(storage, directory, file_records(storage, directory, m), verify=verify) as files:
+    with OpenFiles.for_load(storage, directory, m, verify) as files:
         dtypes = {n: saved_dtype(files, n, m.tensors[n]) for n in want}
         for n, t in targets.items():
             _check_dtype(n, t, dtypes[n])
