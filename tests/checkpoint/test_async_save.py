@@ -142,7 +142,7 @@ def test_without_reuse_no_buffers_are_kept(fake, tmp_path):
     assert all(torch.equal(c["staged"]["a"], state["a"]) for c in fake.calls)
 
 
-def test_staging_failure_raises_at_once_and_frees_the_slot(fake, tmp_path, monkeypatch):
+def test_staging_failure_raises_at_once_ends_the_writer_and_frees_the_slot(fake, tmp_path, monkeypatch):
     ckpt = _ckpt(tmp_path)
 
     def boom(state, buffers, *args):
@@ -151,6 +151,9 @@ def test_staging_failure_raises_at_once_and_frees_the_slot(fake, tmp_path, monke
     monkeypatch.setattr(async_save, "stage", boom)
     with pytest.raises(AsyncCheckpointError, match="staging.*host memory exhausted"):
         ckpt.save_async({"w": torch.ones(2)})
+    writer = ckpt._thread  # started before staging; it must end without writing
+    writer.join(10)
+    assert not writer.is_alive() and fake.calls == []
     monkeypatch.undo()
     monkeypatch.setattr(async_save, "_save_staged", fake)
     ckpt.save_async({"w": torch.ones(2)}).wait()

@@ -60,6 +60,7 @@ Example::
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 
@@ -69,6 +70,8 @@ from shardkit.checkpoint.staging import stage
 from shardkit.errors import AsyncCheckpointError, CheckpointError
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]
+
+_WITHDRAWN = object()  # handed to the writer thread instead of a state when staging failed
 
 
 class AsyncWaitTimeout(CheckpointError, TimeoutError):
@@ -190,26 +193,32 @@ class AsyncCheckpointer:
         """
         target = self.dir if dir is None else os.fspath(dir)
         future = self._claim(target)
-        try:
-            staged = self._stage_checked(state_dict)
-        except BaseException as e:
-            self._release(future)
-            raise AsyncCheckpointError(
-                f"staging the state for the save to {target} failed before anything was written: "
-                f"{type(e).__name__}: {e}"
-            ) from e
+        # The writer thread starts first and waits for the staged state: started
+        # after staging, its first Python would hold the GIL for a switch
+        # interval (~5 ms) before this call could return.
+        handoff: queue.SimpleQueue = queue.SimpleQueue()
         thread = threading.Thread(
-            target=self._run, args=(future, staged, target),
+            target=self._run, args=(future, handoff, target),
             name=f"shardkit-async-save-rank{self.rank}",
             # Not a daemon: a process that ends its main thread still finishes the save.
             daemon=False,
         )
-        self._thread = thread
         try:
             thread.start()
         except BaseException as e:
             self._release(future)
             raise AsyncCheckpointError(f"could not start the background save thread: {e}") from e
+        self._thread = thread
+        try:
+            staged = self._stage_checked(state_dict)
+        except BaseException as e:
+            handoff.put(_WITHDRAWN)  # the thread ends without writing anything
+            self._release(future)
+            raise AsyncCheckpointError(
+                f"staging the state for the save to {target} failed before anything was written: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        handoff.put(staged)
         return future
 
     def prepare(self, state_dict) -> None:
@@ -301,7 +310,10 @@ class AsyncCheckpointer:
             if self._in_flight is future:
                 self._in_flight = None
 
-    def _run(self, future: CheckpointFuture, staged, target: str) -> None:
+    def _run(self, future: CheckpointFuture, handoff: queue.SimpleQueue, target: str) -> None:
+        staged = handoff.get()
+        if staged is _WITHDRAWN:
+            return  # staging failed; save_async raised and never handed out this future
         error = None
         try:
             _save_staged(staged, target, self.rank, self.world_size, self.shard_spec, self.group)
