@@ -48,6 +48,15 @@ MMAP_READ_MIN_BYTES: int = 1024 * 1024
 #: runs beside them, so half the cores (at most 4) keeps both busy.
 WRITE_THREADS: int = max(1, min(4, (os.cpu_count() or 2) // 2))
 
+#: Durable local saves write with ``O_DIRECT`` through aligned bounce buffers
+#: (``storage.direct_io``), skipping the page cache; ``DIRECT_IO = False``
+#: writes through the page cache with early writeback instead. Blocks of
+#: ``DIRECT_IO_BLOCK_BYTES``, ``DIRECT_IO_QUEUE_DEPTH`` of them in flight
+#: (measured on the 2-core VM: 16 MiB x 4 wrote 2 GiB in 1.1 s; 8 MiB x 1-4 in 1.3-1.7 s).
+DIRECT_IO: bool = True
+DIRECT_IO_BLOCK_BYTES: int = 16 * 1024 * 1024
+DIRECT_IO_QUEUE_DEPTH: int = 4
+
 #: Whether checkpoint loads hash every checksum block they read and compare it
 #: with the saved record (``verify=None`` in ``shardkit.checkpoint`` loads means
 #: this value). Off by default: measured on the 2-core box, hashing added 17-35%

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from shardkit import knobs
 from shardkit.checkpoint import ShardMetadata, TensorShardSpec, load_distributed, save_distributed, validate_distributed
 from shardkit.errors import TensorMismatchError
 from shardkit.hf import (
@@ -140,7 +141,9 @@ def test_distributed_to_hf_memory_is_bounded_by_the_largest_tensor(tmp_path):
     save_distributed(state, str(tmp_path / "dist"), 0, 1, None)
     del state
     grown = _peak_growth(tmp_path, "convert")
-    assert grown < 6 * tensor_bytes, f"peak grew by {grown} bytes for a {n * tensor_bytes}-byte model"
+    # A few tensors at a time, plus the direct-I/O writer's bounce buffers (a constant).
+    bounce_bytes = knobs.DIRECT_IO_BLOCK_BYTES * (knobs.DIRECT_IO_QUEUE_DEPTH + 1)
+    assert grown < 6 * tensor_bytes + bounce_bytes, f"peak grew by {grown} bytes for a {n * tensor_bytes}-byte model"
     assert validate_checkpoint(str(tmp_path / "hf"))
     # the measurement does see a load of everything
     assert _peak_growth(tmp_path, "load_all") > n * tensor_bytes // 2

@@ -1,10 +1,11 @@
 """Write a safetensors file fast, atomically, with block checksums.
 
 The tensors' own memory goes to the file, no serialised copy of the state.
-On local storage the bytes are written by ``knobs.WRITE_THREADS`` threads with
-positional writes, and each chunk's writeback to disk starts as soon as it is
-written, so the publishing fsync finds little left to do; other stores get
-one sequential stream. Hashing runs on its own thread, in file order, beside
+On local storage a durable file is written with ``O_DIRECT`` through aligned
+bounce buffers (``storage.direct_io``), a few large writes in flight; where
+the file system refuses that, or for ``durable=False``, ``knobs.WRITE_THREADS``
+threads write positionally into the page cache, each chunk's writeback
+started as soon as it is written; other stores get one sequential stream. Hashing runs on its own thread, in file order, beside
 the writes. Tensors may be given lazily (:class:`LazyTensor`), so a converter
 holds about one tensor at a time. This module does not decide which tensors
 go to which file.
@@ -30,6 +31,7 @@ from shardkit.dtypes import itemsize_bytes, to_safetensors_name
 from shardkit.storage.atomic import start_writeback
 from shardkit.storage.backend import LocalStorage, Storage
 from shardkit.storage.checksum import BlockHasher, FileRecord
+from shardkit.storage.direct_io import open_direct_sink
 from shardkit.storage.safetensors_header import build_header
 from shardkit.storage.tensor_io import byte_view
 
@@ -90,7 +92,7 @@ def write_safetensors(
     # One hashing worker keeps the updates in file order.
     with ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash") as hashing:
         with storage.atomic_writer(path, durable) as f:
-            sink = _PositionalSink(f.fileno(), durable) if isinstance(storage, LocalStorage) else _StreamSink(f)
+            sink = _local_sink(f.fileno(), durable) if isinstance(storage, LocalStorage) else _StreamSink(f)
             try:
                 for view, lazy in _views(header, order):
                     for start in range(0, len(view), knobs.IO_CHUNK_BYTES):
@@ -110,6 +112,12 @@ def _views(header: bytes, order: list[tuple[str, TensorLike]]):
     yield memoryview(header), False
     for _, t in order:
         yield byte_view(_materialise(t)), isinstance(t, LazyTensor)
+
+
+def _local_sink(fd: int, durable: bool):
+    """Direct I/O for durable writes where the file system takes it, else positional buffered writes."""
+    direct = open_direct_sink(fd) if durable else None
+    return direct if direct is not None else _PositionalSink(fd, durable)
 
 
 class _StreamSink:
