@@ -20,8 +20,8 @@ from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, load_distribut
 SINGLE = ShardMetadata(num_ranks=1, tensor_specs={})
 
 
-def _save_impls(state):
-    return {
+def _save_impls(state, workdir: str):
+    impls = {
         "shardkit": lambda p: save_distributed(state, p, 0, 1, SINGLE),
         "torch.distributed.checkpoint.save": lambda p: peers.dcp_save(state, p),
         "torch.save + fsync": lambda p: peers.torch_save(state, p),
@@ -29,11 +29,15 @@ def _save_impls(state):
         "huggingface_hub.save_torch_state_dict + fsync": lambda p: peers.hf_hub_save(state, p),
         "raw write + fsync (limit)": lambda p: peers.raw_write(state, p),
     }
+    if peers.direct_io_works(workdir):
+        impls["O_DIRECT write of as many bytes, 4 x 16 MiB in flight (disk limit)"] = (
+            lambda p: peers.raw_direct_write(state, p))
+    return impls
 
 
 def bench_save(state, workdir: str, reps: int) -> list[dict]:
     nbytes, path = state_bytes(state), os.path.join(workdir, "save")
-    impls = _save_impls(state)
+    impls = _save_impls(state, workdir)
 
     def fresh(_name):
         shutil.rmtree(path, ignore_errors=True)

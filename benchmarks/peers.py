@@ -7,8 +7,11 @@ state, including making the result durable (fsync) where the case says so.
 from __future__ import annotations
 
 import contextlib
+import functools
+import mmap
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -105,6 +108,51 @@ def raw_write(state: dict, path: str) -> None:
             for start in range(0, len(view), 16 << 20):
                 f.write(view[start : start + (16 << 20)])
         os.fsync(f.fileno())
+
+
+_DIRECT_BLOCK_BYTES, _DIRECT_IN_FLIGHT = 16 << 20, 4
+
+
+@functools.lru_cache(maxsize=1)
+def _direct_blocks() -> list[mmap.mmap]:
+    blocks = [mmap.mmap(-1, _DIRECT_BLOCK_BYTES) for _ in range(_DIRECT_IN_FLIGHT)]
+    for block in blocks:
+        block.write(os.urandom(4096) * (_DIRECT_BLOCK_BYTES // 4096))  # touched once, untimed afterwards
+    return blocks
+
+
+def direct_io_works(directory: str) -> bool:
+    """Whether files in ``directory`` can be opened with O_DIRECT (not on every file system)."""
+    probe = os.path.join(directory, ".o_direct_probe")
+    os.makedirs(directory, exist_ok=True)
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644))
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(probe)
+    return hasattr(os, "O_DIRECT")
+
+
+def raw_direct_write(state: dict, path: str) -> None:
+    """The disk's limit: as many bytes written with O_DIRECT from ready aligned memory, then fsync.
+
+    No copy at all (the blocks are prepared once), four 16 MiB writes in flight:
+    what the disk takes when nothing else is in the way.
+    """
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    blocks = _direct_blocks()
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(os.path.join(path, "raw.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        offsets = range(0, -(-total // _DIRECT_BLOCK_BYTES) * _DIRECT_BLOCK_BYTES, _DIRECT_BLOCK_BYTES)
+        with ThreadPoolExecutor(_DIRECT_IN_FLIGHT) as pool:
+            list(pool.map(lambda i: os.pwrite(fd, blocks[i % len(blocks)], offsets[i]), range(len(offsets))))
+        os.ftruncate(fd, total)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def raw_read(template: dict, path: str) -> dict:
