@@ -115,19 +115,19 @@ class DirectSink:
 
     def __init__(self, fd: int):
         self._fd = fd
-        self._block = max(ALIGN_BYTES, knobs.DIRECT_IO_BLOCK_BYTES // ALIGN_BYTES * ALIGN_BYTES)
+        self._block_bytes = max(ALIGN_BYTES, knobs.DIRECT_IO_BLOCK_BYTES // ALIGN_BYTES * ALIGN_BYTES)
         self._depth = max(1, knobs.DIRECT_IO_QUEUE_DEPTH)
         self._pool = ThreadPoolExecutor(self._depth, thread_name_prefix="shardkit-dio")
         self._pending: collections.deque[tuple[Future, _Bounce]] = collections.deque()
         self._buf: _Bounce | None = None
-        self._filled = 0          # bytes in the current buffer
-        self._block_offset = 0    # file offset of the current buffer
+        self._filled_bytes = 0    # in the current buffer
+        self._block_offset = 0    # file offset where the current buffer goes
         self._buffered = False    # O_DIRECT refused at a write: plain writes from then on
         self._flag_lock = threading.Lock()
 
     @property
     def size_bytes(self) -> int:
-        return self._block_offset + self._filled
+        return self._block_offset + self._filled_bytes
 
     def write(self, piece: memoryview) -> None:
         n, done = len(piece), 0
@@ -135,12 +135,12 @@ class DirectSink:
         while done < n:
             if self._buf is None:
                 self._buf = self._take()
-            take = min(n - done, self._block - self._filled)
-            copy_bytes(self._buf.addr + self._filled, src + done, take)
-            self._filled += take
+            take = min(n - done, self._block_bytes - self._filled_bytes)
+            copy_bytes(self._buf.addr + self._filled_bytes, src + done, take)
+            self._filled_bytes += take
             done += take
-            if self._filled == self._block:
-                self._submit(self._block)
+            if self._filled_bytes == self._block_bytes:
+                self._submit(self._block_bytes)
 
     def drain(self) -> None:
         """Wait for the writes in flight (the bytes of every ``write`` so far are already copied)."""
@@ -151,9 +151,9 @@ class DirectSink:
         """Write the last, padded block, wait for every write, truncate to the bytes written."""
         try:
             size = self.size_bytes
-            if self._filled:
-                padded = -(-self._filled // ALIGN_BYTES) * ALIGN_BYTES
-                ctypes.memset(self._buf.addr + self._filled, 0, padded - self._filled)
+            if self._filled_bytes:
+                padded = -(-self._filled_bytes // ALIGN_BYTES) * ALIGN_BYTES
+                ctypes.memset(self._buf.addr + self._filled_bytes, 0, padded - self._filled_bytes)
                 self._submit(padded)
             self.drain()
             os.ftruncate(self._fd, size)
@@ -170,7 +170,7 @@ class DirectSink:
     def _take(self) -> _Bounce:
         while len(self._pending) >= self._depth:
             self._retire()
-        return _POOL.take(self._block)
+        return _POOL.take(self._block_bytes)
 
     def _retire(self) -> None:
         future, buf = self._pending[0]
@@ -181,8 +181,8 @@ class DirectSink:
     def _submit(self, nbytes: int) -> None:
         buf, offset = self._buf, self._block_offset
         self._pending.append((self._pool.submit(self._pwrite, buf.view[:nbytes], offset), buf))
-        self._buf, self._filled = None, 0
-        self._block_offset += self._block
+        self._buf, self._filled_bytes = None, 0
+        self._block_offset += self._block_bytes
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
         done = 0
