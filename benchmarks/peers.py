@@ -123,16 +123,18 @@ def _direct_blocks() -> list[mmap.mmap]:
 
 def direct_io_works(directory: str) -> bool:
     """Whether files in ``directory`` can be opened with O_DIRECT (not on every file system)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
     probe = os.path.join(directory, ".o_direct_probe")
     os.makedirs(directory, exist_ok=True)
     try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644))
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+        return True
     except OSError:
         return False
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(probe)
-    return hasattr(os, "O_DIRECT")
 
 
 def raw_direct_write(state: dict, path: str) -> None:

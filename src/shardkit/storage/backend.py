@@ -23,12 +23,10 @@ import os
 import threading
 from typing import BinaryIO, Iterator
 
-import numpy as np
-
 from shardkit import knobs
 from shardkit.errors import MissingShardError
 from shardkit.storage.atomic import atomic_local_writer, fsync_dir
-from shardkit.storage.memcopy import copy_bytes
+from shardkit.storage.memcopy import buffer_address, copy_bytes
 
 __all__ = ["Reader", "Storage", "LocalStorage", "FsspecStorage", "storage_for"]
 
@@ -74,9 +72,10 @@ class _LocalReader(Reader):
     same two threads (the kernel's copy reads every destination line first).
     Each copied range's mappings are dropped right away (``MADV_DONTNEED``),
     so the pages count in the page cache but not in this process's RSS. The
-    size is fixed at open: reads past it raise ``EOFError``, never touch the map. Like every mapped reader (safetensors, DCP), a file
-    truncated in place by another program while it is being read stops the
-    process with SIGBUS; shardkit itself only ever replaces files whole.
+    size is fixed at open: reads past it raise ``EOFError``, never touch the
+    map. Like every mapped reader (safetensors, DCP), a file truncated in
+    place by another program while it is being read stops the process with
+    SIGBUS; shardkit itself only ever replaces files whole.
     """
 
     def __init__(self, path: str):
@@ -84,7 +83,6 @@ class _LocalReader(Reader):
         super().__init__(path, os.fstat(self._fd).st_size)
         self._map_lock = threading.Lock()
         self._map: mmap.mmap | None = None
-        self._map_view = None  # numpy view of the map: its .ctypes.data is the address
         self._map_address: int | None = None  # None: not mapped yet; 0: cannot be mapped
 
     def read_into(self, offset: int, out: memoryview) -> None:
@@ -92,7 +90,7 @@ class _LocalReader(Reader):
         if knobs.MMAP_READS and len(out) >= knobs.MMAP_READ_MIN_BYTES and offset + len(out) <= self.size_bytes:
             base = self._mapped_address()
             if base:
-                copy_bytes(np.frombuffer(out, dtype=np.uint8).ctypes.data, base + offset, len(out))
+                copy_bytes(buffer_address(out), base + offset, len(out))
                 self._unmap_pages(offset, len(out))
                 return
         done = 0
@@ -111,8 +109,7 @@ class _LocalReader(Reader):
                 except (OSError, ValueError):  # not mappable (a pipe, a special file): read instead
                     self._map = None
                 else:
-                    self._map_view = np.frombuffer(self._map, dtype=np.uint8)
-                    self._map_address = self._map_view.ctypes.data
+                    self._map_address = buffer_address(self._map)
             return self._map_address
 
     def _unmap_pages(self, offset: int, length: int) -> None:
@@ -128,7 +125,7 @@ class _LocalReader(Reader):
 
     def close(self) -> None:
         with self._map_lock:
-            self._map_view, self._map_address = None, 0
+            self._map_address = 0
             if self._map is not None:
                 self._map.close()
                 self._map = None

@@ -37,11 +37,9 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
-
 from shardkit import knobs
 from shardkit.storage.atomic import start_writeback
-from shardkit.storage.memcopy import copy_bytes
+from shardkit.storage.memcopy import buffer_address, copy_bytes
 
 __all__ = ["DirectSink", "open_direct_sink", "ALIGN_BYTES"]
 
@@ -62,18 +60,13 @@ def open_direct_sink(fd: int) -> "DirectSink | None":
     return DirectSink(fd)
 
 
-def _address(view: memoryview) -> int:
-    """The memory address of a C-contiguous buffer, read-only ones included."""
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data
-
-
 class _Bounce:
     """One page-aligned anonymous buffer (an ``mmap``), touched once when made."""
 
     def __init__(self, nbytes: int):
         self.map = mmap.mmap(-1, nbytes)
         self.view = memoryview(self.map)
-        self.addr = _address(self.view)
+        self.addr = buffer_address(self.view)
         ctypes.memset(self.addr, 0, nbytes)  # fault it in now, not during a save
 
     @property
@@ -131,7 +124,7 @@ class DirectSink:
 
     def write(self, piece: memoryview) -> None:
         n, done = len(piece), 0
-        src = _address(piece) if n else 0
+        src = buffer_address(piece) if n else 0
         while done < n:
             if self._buf is None:
                 self._buf = self._take()
@@ -159,7 +152,7 @@ class DirectSink:
             os.ftruncate(self._fd, size)
         finally:
             self._pool.shutdown(wait=True)
-            for future, buf in self._pending:  # only after a failure
+            for _, buf in self._pending:  # only after a failure
                 _POOL.give(buf)
             if self._buf is not None:
                 _POOL.give(self._buf)

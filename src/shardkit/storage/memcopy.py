@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
+
 from shardkit import knobs
 
 try:
@@ -24,7 +26,7 @@ try:
 except ImportError:  # built without a C compiler: memmove only
     _stream_copy = None
 
-__all__ = ["copy_bytes", "copy_kind"]
+__all__ = ["buffer_address", "copy_bytes", "copy_kind"]
 
 
 def copy_bytes(dst_addr: int, src_addr: int, nbytes: int) -> None:
@@ -36,6 +38,14 @@ def copy_bytes(dst_addr: int, src_addr: int, nbytes: int) -> None:
         _stream_copy.copy(dst_addr, src_addr, nbytes)
     else:
         ctypes.memmove(dst_addr, src_addr, nbytes)
+
+
+def buffer_address(buffer) -> int:
+    """The address of a C-contiguous buffer's first byte (read-only buffers too), for ``copy_bytes``.
+
+    The address is valid only while ``buffer`` is alive and not resized.
+    """
+    return np.frombuffer(buffer, dtype=np.uint8).ctypes.data
 
 
 def copy_kind() -> str:

@@ -5,10 +5,10 @@ On local storage a durable file is written with ``O_DIRECT`` through aligned
 bounce buffers (``storage.direct_io``), a few large writes in flight; where
 the file system refuses that, or for ``durable=False``, ``knobs.WRITE_THREADS``
 threads write positionally into the page cache, each chunk's writeback
-started as soon as it is written; other stores get one sequential stream. Hashing runs on its own thread, in file order, beside
-the writes. Tensors may be given lazily (:class:`LazyTensor`), so a converter
-holds about one tensor at a time. This module does not decide which tensors
-go to which file.
+started as soon as it is written; other stores get one sequential stream.
+Hashing runs on its own thread, in file order, beside the writes. Tensors
+may be given lazily (:class:`LazyTensor`), so a converter holds about one
+tensor at a time. This module does not decide which tensors go to which file.
 
 Example::
 
