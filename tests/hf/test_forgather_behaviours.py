@@ -1,0 +1,146 @@
+"""forgather's sharded_checkpoint behaviours that users rely on (issue 14).
+
+Each test names the behaviour of forgather (or transformers) it pins down;
+every one of them failed on shardkit before the fix that came with it.
+"""
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from hf_helpers import Tied, tiny_llama
+from safetensors.torch import load_file
+
+from shardkit.errors import CheckpointError, MetadataError, MissingShardError, TensorMismatchError
+from shardkit.hf import (
+    create_pretrained_symlinks,
+    index_file_name,
+    load_checkpoint,
+    load_checkpoint_metrics,
+    load_shard_index,
+    load_sharded_checkpoint,
+    make_shard_index,
+    next_checkpoint_path,
+    retie_parameters,
+    save_checkpoint,
+    save_checkpoint_metrics,
+    save_shard_index,
+    save_sharded_checkpoint,
+)
+
+
+class Stage0(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 8)
+        self.body = torch.nn.Linear(8, 8)
+
+
+class Stage1(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 20, bias=False)
+
+
+# 2. metrics into a directory that does not exist yet
+
+
+def test_save_checkpoint_metrics_creates_the_directory(tmp_path):
+    path = str(tmp_path / "checkpoints" / "checkpoint-7")
+    save_checkpoint_metrics(path, {"eval_loss": 1.25})
+    assert load_checkpoint_metrics(path) == {"eval_loss": 1.25}
+
+
+# 4. make_shard_index with sharing groups whose names are not in the state dicts
+
+
+def test_make_shard_index_warns_about_sharing_names_it_cannot_find():
+    sd = {"a": torch.ones(3), "b": torch.ones(3), "c": torch.zeros(2)}
+    with pytest.warns(UserWarning, match="ghost"):
+        index = make_shard_index([sd], param_sharing_metadata=[["a", "b"], ["c", "ghost"]])
+    assert index["metadata"]["param_sharing"] == [["a", "b"]]
+    assert sorted(index["weight_map"]) == ["a", "c"]
+
+
+def test_make_shard_index_never_drops_a_tensor_whose_group_source_is_absent():
+    sd = {"a": torch.ones(3), "b": torch.ones(3)}
+    with pytest.warns(UserWarning, match="x"):
+        index = make_shard_index([sd], param_sharing_metadata=[["x", "a", "b"]])
+    assert index["weight_map"] == {"a": "pytorch_model-00001-of-00001.bin"}
+    assert index["metadata"]["param_sharing"] == [["a", "b"]]
+
+
+def test_make_shard_index_is_quiet_when_every_name_is_there():
+    sd = {"a": torch.ones(3), "b": torch.ones(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_shard_index([{"a": sd["a"]}, {"b": sd["b"]}], param_sharing_metadata=[["a", "b"]])
+
+
+# 5. retie_parameters on a module that lacks the tied names
+
+
+def test_retie_parameters_skips_names_the_module_lacks():
+    stage = Stage0()
+    before = stage.emb.weight
+    retie_parameters(stage, [["lm.embed.weight", "lm.head.weight"]])  # no name here
+    retie_parameters(stage, [["emb.weight", "head.weight"]])  # one name here
+    assert stage.emb.weight is before
+    whole = Tied()
+    whole.head.weight = torch.nn.Parameter(torch.zeros(50, 16))
+    retie_parameters(whole, [["ghost.weight", "emb.weight", "head.weight"]])
+    assert whole.head.weight is whole.emb.weight
+
+
+# 7. max_shard_size as a string
+
+
+@pytest.mark.parametrize("size", ["5GB", "500MB", "2GiB", "20KB", "20kb", "3MiB", "1KiB", "8Mb", 12_345])
+def test_max_shard_size_accepts_transformers_strings(size):
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from shardkit.hf.index import shard_size_bytes
+
+    assert shard_size_bytes(size) == convert_file_size_to_int(size)
+
+
+def test_save_checkpoint_splits_by_a_string_size(tmp_path):
+    sd = {f"w{i}": torch.zeros(2500) for i in range(4)}  # 10 kB each
+    save_checkpoint(str(tmp_path / "s"), sd, safetensors=True, max_shard_size="20KB")
+    save_checkpoint(str(tmp_path / "i"), sd, safetensors=True, max_shard_size=20_000)
+    by_string = load_shard_index(str(tmp_path / "s"), index_file_name(True))
+    by_int = load_shard_index(str(tmp_path / "i"), index_file_name(True))
+    assert by_string["weight_map"] == by_int["weight_map"] and len(set(by_int["weight_map"].values())) == 2
+    assert make_shard_index([sd], max_shard_size="1GiB")["weight_map"] == make_shard_index([sd], max_shard_size=2**30)[
+        "weight_map"
+    ]
+
+
+@pytest.mark.parametrize("bad", ["5 parsecs", "GB", "1.5GB", True, 2.0, None])
+def test_max_shard_size_refuses_what_transformers_refuses(bad):
+    with pytest.raises(MetadataError, match="max_shard_size"):
+        make_shard_index([{"w": torch.zeros(2)}], max_shard_size=bad)
+
+
+# 8. create_pretrained_symlinks says why it made no links
+
+
+def test_symlinks_without_a_checkpoint_raise_file_not_found(tmp_path):
+    with pytest.raises(MissingShardError, match="no complete checkpoint") as e:
+        create_pretrained_symlinks(str(tmp_path))
+    assert isinstance(e.value, FileNotFoundError)
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_symlinks_refuse_a_real_file_in_the_way(tmp_path, dry_run):
+    save_checkpoint(next_checkpoint_path(str(tmp_path), 1), {"w": torch.ones(4)}, safetensors=True)
+    (tmp_path / "model.safetensors.index.json").write_text("mine")
+    with pytest.raises(FileExistsError, match="force_overwrite") as e:
+        create_pretrained_symlinks(str(tmp_path), dry_run=dry_run)
+    assert isinstance(e.value, CheckpointError)
+    assert (tmp_path / "model.safetensors.index.json").read_text() == "mine"
+    assert [p for p in os.listdir(tmp_path) if os.path.islink(tmp_path / p)] == []  # nothing half-done
+    links = create_pretrained_symlinks(str(tmp_path), force_overwrite=True, dry_run=dry_run)
+    assert len(links) == 2 and os.path.islink(tmp_path / "model.safetensors.index.json") != dry_run
