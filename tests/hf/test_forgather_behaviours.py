@@ -44,6 +44,33 @@ class Stage1(torch.nn.Module):
         self.head = torch.nn.Linear(8, 20, bias=False)
 
 
+# 1. a checkpoint that leaves out a tied weight, loaded with assign=True
+
+
+@pytest.mark.parametrize("on_meta", [False, True])
+def test_assign_load_ties_a_weight_the_checkpoint_left_out(tmp_path, on_meta):
+    src = tiny_llama(tied=True)
+    src.save_pretrained(str(tmp_path))  # transformers stores embed_tokens only
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
+    if on_meta:
+        with torch.device("meta"):
+            dst = tiny_llama(tied=True, seed=3)
+    else:
+        dst = tiny_llama(tied=True, seed=3)
+    load_checkpoint(str(tmp_path), dst, strict=True, assign=True)
+    assert dst.lm_head.weight is dst.model.embed_tokens.weight
+    assert torch.equal(dst.lm_head.weight, src.model.embed_tokens.weight)
+
+
+def test_assign_load_ties_a_plain_module_weight_left_out(tmp_path):
+    src = Tied()
+    sd = {k: v for k, v in src.state_dict().items() if k != "head.weight"}
+    save_checkpoint(str(tmp_path), sd, safetensors=True)
+    dst = Tied()
+    load_checkpoint(str(tmp_path), dst, strict=True, assign=True)
+    assert dst.head.weight is dst.emb.weight and torch.equal(dst.head.weight, src.emb.weight)
+
+
 # 2. metrics into a directory that does not exist yet
 
 
@@ -51,6 +78,53 @@ def test_save_checkpoint_metrics_creates_the_directory(tmp_path):
     path = str(tmp_path / "checkpoints" / "checkpoint-7")
     save_checkpoint_metrics(path, {"eval_loss": 1.25})
     assert load_checkpoint_metrics(path) == {"eval_loss": 1.25}
+
+
+# 3. the seed's multi-GPU example: one index for all shards, strict=True
+
+
+def _save_stages(out, stages, sharing=None):
+    index = make_shard_index([s.state_dict() for s in stages], safetensors=True, param_sharing_metadata=sharing)
+    save_shard_index(index, out, index_file_name(True))
+    for stage in stages:
+        save_sharded_checkpoint(out, index, stage, safetensors=True)
+
+
+def test_module_shard_loads_from_the_full_index_with_strict(tmp_path):
+    out = str(tmp_path)
+    torch.manual_seed(0)
+    stages = [Stage0(), Stage1()]
+    _save_stages(out, stages)
+    index = load_shard_index(out, index_file_name(True))
+    for src, fresh in zip(stages, [Stage0(), Stage1()]):
+        fresh.to_empty(device="cpu")
+        assert load_sharded_checkpoint(out, index, fresh, device="cpu", safetensors=True) == set()
+        for k, v in src.state_dict().items():
+            assert torch.equal(fresh.state_dict()[k], v), k
+    whole = load_sharded_checkpoint(out, index, module=None, device="cpu", safetensors=True)
+    assert sorted(whole) == ["body.bias", "body.weight", "emb.weight", "head.weight"]
+
+
+def test_module_key_the_index_lacks_is_still_an_error(tmp_path):
+    out = str(tmp_path)
+    _save_stages(out, [Stage0()])
+    index = load_shard_index(out, index_file_name(True))
+    with pytest.raises(TensorMismatchError, match="head.weight"):
+        load_sharded_checkpoint(out, index, Stage1(), safetensors=True)
+
+
+def test_stage_holding_only_the_tied_alias_loads_it(tmp_path):
+    """A pipeline stage owns ``head.weight``, stored once under its tie ``emb.weight`` by another stage."""
+    out = str(tmp_path)
+    torch.manual_seed(0)
+    stages = [Stage0(), Stage1()]
+    stages[1].head.weight = torch.nn.Parameter(stages[0].emb.weight.detach().clone())
+    _save_stages(out, stages, sharing=[["emb.weight", "head.weight"]])
+    index = load_shard_index(out, index_file_name(True))
+    assert "head.weight" not in index["weight_map"]
+    last = Stage1()
+    assert load_sharded_checkpoint(out, index, last, safetensors=True) == set()
+    assert torch.equal(last.head.weight, stages[0].emb.weight)
 
 
 # 4. make_shard_index with sharing groups whose names are not in the state dicts
