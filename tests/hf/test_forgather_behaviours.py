@@ -168,6 +168,34 @@ def test_retie_parameters_skips_names_the_module_lacks():
     assert whole.head.weight is whole.emb.weight
 
 
+# 6. save_checkpoint of a transformers model writes what from_pretrained needs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_save_checkpoint_of_a_transformers_model_loads_with_from_pretrained(tmp_path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_llama(tied=True).to(dtype).eval()
+    before = src.config.to_dict()
+    save_checkpoint(str(tmp_path), src, safetensors=True, max_shard_size=20_000)
+    assert src.config.to_dict() == before  # the model's own config is not modified
+    assert (tmp_path / "config.json").exists() and (tmp_path / "generation_config.json").exists()
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert loaded.dtype == dtype
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, src(ids).logits)
+
+
+def test_save_checkpoint_writes_no_config_for_plain_modules_and_dicts(tmp_path):
+    save_checkpoint(str(tmp_path / "m"), Tied(), safetensors=True)
+    save_checkpoint(str(tmp_path / "d"), {"w": torch.ones(2)}, safetensors=True)
+    for d in ("m", "d"):
+        assert not (tmp_path / d / "config.json").exists()
+        assert not (tmp_path / d / "generation_config.json").exists()
+
+
 # 7. max_shard_size as a string
 
 
