@@ -32,6 +32,7 @@ __all__ = [
     "CommTimeoutError",
     "CommAbortedError",
     "CommArgumentError",
+    "CheckpointExistsError",
 ]
 
 
@@ -89,3 +90,7 @@ class CommAbortedError(CommError):
 
 class CommArgumentError(CommError, ValueError):
     """Tensors passed to a collective do not fit it (count, shape, dtype or device)."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """Something is already where a checkpoint file or link would go, and overwriting was not asked for."""

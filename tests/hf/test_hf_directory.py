@@ -138,12 +138,15 @@ def test_symlinks_relative_dry_run_and_overwrite(tmp_path):
     _save(tmp_path, 2, v=5.0)
     (tmp_path / "model-00001-of-00002.safetensors").unlink()
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"user file")
-    create_pretrained_symlinks(str(tmp_path))
+    with pytest.raises(FileExistsError, match="force_overwrite"):
+        create_pretrained_symlinks(str(tmp_path))
     assert (tmp_path / "model-00001-of-00002.safetensors").read_bytes() == b"user file"
-    assert os.readlink(tmp_path / "model.safetensors.index.json").startswith(os.path.join("checkpoints", "checkpoint-2"))
+    assert os.readlink(tmp_path / "model.safetensors.index.json").startswith(os.path.join("checkpoints", "checkpoint-1"))
     create_pretrained_symlinks(str(tmp_path), force_overwrite=True)
     assert os.path.islink(tmp_path / "model-00001-of-00002.safetensors")
-    assert create_pretrained_symlinks(str(tmp_path / "empty")) == []
+    assert os.readlink(tmp_path / "model.safetensors.index.json").startswith(os.path.join("checkpoints", "checkpoint-2"))
+    with pytest.raises(FileNotFoundError):
+        create_pretrained_symlinks(str(tmp_path / "empty"))
 
 
 def test_from_pretrained_through_symlinks(tmp_path):

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Dict, List, Optional, Sequence, Union
 
 from torch import Tensor
@@ -38,6 +39,7 @@ __all__ = [
     "index_file_name",
     "shard_file_name",
     "plan_shards",
+    "shard_size_bytes",
     "make_shard_index",
     "save_shard_index",
     "load_shard_index",
@@ -98,6 +100,49 @@ def plan_shards(name_bytes: Sequence[tuple[str, int]], max_shard_bytes: int) -> 
     return shards
 
 
+_BINARY_UNITS = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10}
+_DECIMAL_UNITS = {"GB": 10**9, "MB": 10**6, "KB": 10**3}
+
+
+def shard_size_bytes(max_shard_size: Union[int, str]) -> int:
+    """``max_shard_size`` in bytes: an int as is, or a string as ``transformers`` reads it.
+
+    Same rules as ``transformers.utils.hub.convert_file_size_to_int``:
+    ``"2GiB"``/``"MiB"``/``"KiB"`` are powers of 2, ``"5GB"``/``"MB"``/``"KB"``
+    powers of 10 (any case), and a lower-case final ``b`` (``"8Mb"``) means
+    bits. The number must be an integer. Unlike ``transformers``, a bool, a
+    float or ``None`` raises ``MetadataError`` instead of passing through.
+
+    >>> shard_size_bytes("5GB"), shard_size_bytes("2GiB"), shard_size_bytes(1000)
+    (5000000000, 2147483648, 1000)
+    """
+    if isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool):
+        return max_shard_size
+    if isinstance(max_shard_size, str):
+        upper = max_shard_size.upper()
+        for unit, scale in _BINARY_UNITS.items():
+            if upper.endswith(unit):
+                return _leading_int(max_shard_size, len(unit)) * scale
+        for unit, scale in _DECIMAL_UNITS.items():
+            if upper.endswith(unit):
+                nbytes = _leading_int(max_shard_size, len(unit)) * scale
+                return nbytes // 8 if max_shard_size.endswith("b") else nbytes
+    raise MetadataError(
+        f"max_shard_size must be a number of bytes or a size such as '5GB', '500MB' or '2GiB'; "
+        f"got {max_shard_size!r} ({type(max_shard_size).__name__})"
+    )
+
+
+def _leading_int(size: str, unit_chars: int) -> int:
+    try:
+        return int(size[:-unit_chars])
+    except ValueError as e:
+        raise MetadataError(
+            f"max_shard_size {size!r}: {size[:-unit_chars]!r} is not a whole number; write e.g. '1500MB' "
+            f"instead of '1.5GB'"
+        ) from e
+
+
 def sharing_of(index: ShardIndex) -> SharingMetadataT:
     """The ``param_sharing`` groups recorded in ``index`` (``[]`` when none)."""
     return list(index.get("metadata", {}).get("param_sharing", []) or [])
@@ -107,24 +152,28 @@ def make_shard_index(
     state_dictionaries: List[Dict[str, Tensor]],
     metadata: Optional[Dict] = None,
     safetensors: bool = False,
-    max_shard_size: int = 2**32,
+    max_shard_size: Union[int, str] = 2**32,
     param_sharing_metadata: Optional[List[List[str]]] = None,
 ) -> ShardIndex:
     """Build the index for one or more state dicts; each gets its own shard files.
 
     Names tied to an earlier name (``param_sharing_metadata``, or detected
     from tensors that alias the same memory when it is ``None``) are left out
-    of the weight map and recorded as ``metadata["param_sharing"]``. Writes
-    nothing.
+    of the weight map and recorded as ``metadata["param_sharing"]``. Names of
+    ``param_sharing_metadata`` that no state dict holds are left out of the
+    groups with a ``UserWarning`` (forgather accepts them too; they cannot be
+    tied to anything stored). ``max_shard_size``: bytes, or a string such as
+    ``"5GB"`` (see :func:`shard_size_bytes`). Writes nothing.
 
     Example::
 
         index = make_shard_index([sd_rank0, sd_rank1], safetensors=True)
     """
+    max_shard_bytes = shard_size_bytes(max_shard_size)
     sharing = _sharing_for(state_dictionaries, param_sharing_metadata)
     skip = set(alias_to_source(sharing))
     plans = [
-        plan_shards([(n, _nbytes(t)) for n, t in sd.items() if n not in skip], max_shard_size)
+        plan_shards([(n, _nbytes(t)) for n, t in sd.items() if n not in skip], max_shard_bytes)
         for sd in state_dictionaries
     ]
     count = sum(len(p) for p in plans)
@@ -147,11 +196,35 @@ def _nbytes(tensor: Tensor) -> int:
 
 def _sharing_for(state_dictionaries, explicit) -> SharingMetadataT:
     if explicit is not None:
-        present = {n for sd in state_dictionaries for n in sd}
-        return [list(g) for g in explicit if len([n for n in g if n in present]) > 1]
+        return _present_sharing(explicit, {n for sd in state_dictionaries for n in sd})
     groups: SharingMetadataT = []
     for sd in state_dictionaries:
         groups.extend(find_shared_groups(list(sd.items())))
+    return groups
+
+
+def _present_sharing(explicit: SharingMetadataT, present: set) -> SharingMetadataT:
+    """Each group cut to the names ``present`` holds (groups left with one name dropped), with a warning.
+
+    Warn, not raise: forgather stores such groups as given and skips absent
+    names when it reties, and pipeline code passes the whole model's groups
+    for one stage's state. Silently dropping them hid typos; keeping an
+    absent first name would have dropped its aliases' tensors from the index.
+    """
+    groups, absent = [], []
+    for group in explicit:
+        kept = [n for n in group if n in present]
+        absent += [n for n in group if n not in present]
+        if len(kept) > 1:
+            groups.append(kept)
+    if absent:
+        warnings.warn(
+            f"param_sharing_metadata names {absent[:10]} ({len(absent)} in all), which are not in the state "
+            f"dicts being indexed; ties are recorded among the names that are (groups left with one name are "
+            f"dropped). Check the names, or build the groups with create_sharing_metadata(module).",
+            UserWarning,
+            stacklevel=3,
+        )
     return groups
 
 

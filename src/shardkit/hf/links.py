@@ -3,8 +3,8 @@
 Each weight file of the latest complete checkpoint gets a **relative**
 symlink in ``model_dir`` (the directory can be moved or mounted elsewhere),
 shards first and the index last. Links left from an older checkpoint are
-replaced; a regular file in the way is kept unless ``force_overwrite``. This
-module does not copy data or write configs.
+replaced; a regular file in the way raises ``CheckpointExistsError`` unless
+``force_overwrite``. This module does not copy data or write configs.
 
 Example::
 
@@ -19,7 +19,7 @@ import os
 import secrets
 from typing import List
 
-from shardkit.errors import MissingShardError
+from shardkit.errors import CheckpointExistsError, MissingShardError
 from shardkit.hf.directory import find_latest_checkpoint, get_checkpoint_metadata
 from shardkit.hf.index import load_shard_index
 
@@ -42,25 +42,49 @@ def create_pretrained_symlinks(model_dir: str, force_overwrite: bool = False, dr
     """Link the latest checkpoint's weight files into ``model_dir``; return the link paths.
 
     With ``dry_run`` nothing changes and the links that would be made are
-    returned. Returns ``[]`` when there is no complete checkpoint.
+    returned. A user who asks for links hears why none were made, as with
+    forgather: ``MissingShardError`` (a ``FileNotFoundError``) when there is
+    no complete checkpoint under ``model_dir/checkpoints``, and
+    ``CheckpointExistsError`` (a ``FileExistsError``) when something that is
+    not a symlink is where a link would go and ``force_overwrite`` is False.
+    Both are raised before any link is made (also with ``dry_run``).
+    ``force_overwrite`` replaces regular files, never directories.
     """
     latest = find_latest_checkpoint(model_dir)
     if latest is None:
-        return []
+        raise MissingShardError(
+            f"{model_dir} holds no complete checkpoint to link to (looked for checkpoints/checkpoint-* with a "
+            f"weight file or index); save one first, e.g. with save_checkpoint(next_checkpoint_path(...), model)"
+        )
     files = _weight_files(latest)
+    links = [os.path.join(model_dir, name) for name in files]
+    _check_nothing_in_the_way(links, force_overwrite)
+    if dry_run:
+        return links
     rel_dir = os.path.relpath(latest, model_dir)
-    made = []
-    for name in files:
-        link = os.path.join(model_dir, name)
-        if os.path.exists(link) and not os.path.islink(link) and not force_overwrite:
-            log.warning("%s is a regular file; not replacing it (pass force_overwrite=True)", link)
+    for name, link in zip(files, links):
+        if os.path.lexists(link) and not os.path.islink(link):
+            log.warning("replacing the regular file %s with a link (force_overwrite=True)", link)
+        _replace_with_link(os.path.join(rel_dir, name), link)
+    _remove_stale_links(model_dir, set(files))
+    return links
+
+
+def _check_nothing_in_the_way(links: List[str], force_overwrite: bool) -> None:
+    """Raise ``CheckpointExistsError`` for anything but a symlink (or, when forcing, a file) at a link path."""
+    for link in links:
+        if not os.path.lexists(link) or os.path.islink(link):
             continue
-        made.append(link)
-        if not dry_run:
-            _replace_with_link(os.path.join(rel_dir, name), link)
-    if not dry_run:
-        _remove_stale_links(model_dir, set(files))
-    return made
+        if os.path.isdir(link):
+            raise CheckpointExistsError(
+                f"{link} is a directory, where a link to the latest checkpoint's file would go; move it away "
+                f"(force_overwrite replaces files, never directories)"
+            )
+        if not force_overwrite:
+            raise CheckpointExistsError(
+                f"{link} is a regular file, where a link to the latest checkpoint's file would go; no link was "
+                f"made. Move it away, or pass force_overwrite=True to replace it"
+            )
 
 
 def _replace_with_link(target: str, link: str) -> None:

@@ -95,7 +95,7 @@ def _load_distributed(model_dir, module, device, strict, assign, keys):
     if module is None:
         return {n: t.to(device) for n, t in load_distributed_flat(model_dir, keys).items()}
     own = module.state_dict()
-    names = [n for n in read_metadata(model_dir).tensors if n in own or strict]
+    names = [n for n in read_metadata(model_dir).tensors if n in own]  # extras: never an error
     tensors = {n: t.to(device) for n, t in load_distributed_flat(model_dir, names).items()}
     try:
         module.load_state_dict(tensors, strict=strict, assign=assign)
@@ -133,8 +133,13 @@ def load_sharded_checkpoint(
     """Load the tensors ``shard_index`` describes from ``model_dir``.
 
     Module mode returns the set of the module's keys the checkpoint did not
-    provide (with ``strict=True``, missing or unexpected keys raise
-    ``TensorMismatchError`` before any shard is read). Dict mode returns
+    provide; with ``strict=True`` any such key raises ``TensorMismatchError``
+    before a shard is read. Keys the index has and the module lacks are not
+    read and never an error, as in forgather: each shard of a model loads
+    from the one index of the whole model. Names the module ties together
+    (``lm_head.weight`` to the embedding) count as provided when one of them
+    is, and are tied to what was loaded afterwards, ``assign=True`` included.
+    Dict mode returns
     ``{name: tensor}`` on ``device``, tied names sharing one tensor.
     ``mmap``: see :func:`load_checkpoint`.
     """
@@ -223,32 +228,56 @@ def _read_bin(path, store, names) -> Dict[str, Tensor]:
 def _load_module(model_dir, shard_index, aliases, module, device, safetensors, strict, assign, debug, mmap) -> Set[str]:
     weight_map = shard_index["weight_map"]
     own = module.state_dict(keep_vars=True)
+    own_ties = create_sharing_metadata(module)  # before the load: assign=True breaks them
     provided = set(weight_map) | set(aliases)
-    missing = {k for k in own if k not in provided} - _covered_by_own_ties(module, provided)
-    unexpected = sorted(k for k in weight_map if k not in own)
-    if strict and (missing or unexpected):
+    missing = {k for k in own if k not in provided} - _covered_by(own_ties, provided)
+    if strict and missing:
         raise TensorMismatchError(
-            f"the checkpoint in {model_dir} does not match the module: missing {sorted(missing)[:10]} "
-            f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)}). Load the right "
-            f"checkpoint, or pass strict=False to load what matches."
+            f"the checkpoint in {model_dir} lacks tensors of the module: missing {sorted(missing)[:10]} "
+            f"({len(missing)}). Load the right checkpoint, or pass strict=False to load what it has. "
+            f"(Tensors the checkpoint has and the module lacks are never an error: a module may be one "
+            f"shard of the model.)"
         )
-    names = [k for k in weight_map if k in own]
-    targets = {} if assign else {n: own[n] for n in names}
+    own_to_stored = _own_to_stored(own, weight_map, aliases)
+    targets = {} if assign else {stored: own[name] for name, stored in own_to_stored.items()}
     with torch.no_grad():
-        loaded = _read_files(model_dir, weight_map, names, safetensors, debug, targets, mmap)
-        _install(module, own, loaded, device, assign)
-    groups = [g for g in sharing_of(shard_index) if all(n in own for n in g)]
-    retie_parameters(module, groups)
+        loaded = _read_files(model_dir, weight_map, list(own_to_stored.values()), safetensors, debug, targets, mmap)
+        _install(module, own, {name: loaded[stored] for name, stored in own_to_stored.items()}, device, assign)
+    retie_parameters(module, sharing_of(shard_index))
+    retie_parameters(module, _loaded_first(own_ties, set(own_to_stored)))
     return missing
 
 
-def _covered_by_own_ties(module: Module, provided: Set[str]) -> Set[str]:
+def _own_to_stored(own, weight_map, aliases) -> Dict[str, str]:
+    """``{module name: name stored in the files}`` for each tensor of the module to read.
+
+    A name stored under a tie (``param_sharing``) whose stored name the module
+    lacks -- a pipeline stage holding ``lm_head.weight`` while another holds
+    the embedding -- reads the stored tensor; when the module has the stored
+    name too, retying covers it. Each stored tensor is read once.
+    """
+    out: Dict[str, str] = {}
+    for name in own:
+        stored = name if name in weight_map else aliases.get(name)
+        if stored is not None and (stored == name or stored not in own) and stored not in out.values():
+            out[name] = stored
+    return out
+
+
+def _covered_by(own_ties, provided: Set[str]) -> Set[str]:
     """Names the module ties to a name the checkpoint provides (e.g. ``save_pretrained`` drops ``lm_head``)."""
-    covered: Set[str] = set()
-    for group in create_sharing_metadata(module):
-        if any(n in provided for n in group):
-            covered.update(group)
-    return covered
+    return {n for group in own_ties if any(m in provided for m in group) for n in group}
+
+
+def _loaded_first(own_ties, loaded: Set[str]):
+    """The module's own tie groups that hold a loaded name, loaded names first: retying them points
+    every name at what was loaded (``assign=True`` replaced only the names the files hold), as
+    ``transformers`` does with ``tie_weights``."""
+    return [
+        [n for n in group if n in loaded] + [n for n in group if n not in loaded]
+        for group in own_ties
+        if any(n in loaded for n in group)
+    ]
 
 
 def _install(module: Module, own: Dict[str, Tensor], loaded: Dict[str, Tensor], device, assign: bool) -> None:

@@ -25,7 +25,11 @@ METRICS_FILE_NAME = "eval_metrics.json"
 
 
 def save_checkpoint_metrics(checkpoint_path: str, metrics: Dict[str, float]) -> None:
-    """Write ``metrics`` (name -> number) to ``checkpoint_path/eval_metrics.json``, atomically."""
+    """Write ``metrics`` (name -> number) to ``checkpoint_path/eval_metrics.json``, atomically.
+
+    Creates ``checkpoint_path`` if it is not there yet (as forgather does), so
+    metrics may be written before or after the checkpoint's weights.
+    """
     bad = {k: v for k, v in metrics.items() if not isinstance(k, str) or not _is_number(v)}
     if bad:
         raise MetadataError(
@@ -33,6 +37,7 @@ def save_checkpoint_metrics(checkpoint_path: str, metrics: Dict[str, float]) -> 
             f"Convert tensors with .item()."
         )
     store, root = storage_for(checkpoint_path)
+    store.makedirs(root)
     data = json.dumps({k: float(v) for k, v in metrics.items()}, indent=2).encode()
     with store.atomic_writer(store.join(root, METRICS_FILE_NAME)) as f:
         f.write(data)

@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 from torch import Tensor
 from torch.nn import Module
@@ -35,6 +35,7 @@ from shardkit.hf.index import (
     save_shard_index,
     sharing_of,
 )
+from shardkit.hf.model_config import model_config_files, write_model_config_files
 from shardkit.storage import write_safetensors
 from shardkit.hf.sharing import create_sharing_metadata
 from shardkit.storage import storage_for
@@ -61,7 +62,7 @@ def save_checkpoint(
     module: StateDictLike,
     metadata: Optional[Dict] = None,
     safetensors: bool = False,
-    max_shard_size: int = 2**31,
+    max_shard_size: Union[int, str] = 2**31,
     debug: bool = False,
     include_param_sharing: bool = True,
     param_sharing_metadata: Optional[SharingMetadataT] = None,
@@ -72,10 +73,14 @@ def save_checkpoint(
 
     Always writes an index (``model.safetensors.index.json`` or
     ``pytorch_model.bin.index.json``) and ``model-0000i-of-0000n`` shards of at
-    most ``max_shard_size`` bytes (more only when one tensor alone is larger).
-    Tied parameters are found automatically unless ``param_sharing_metadata``
-    is given or ``include_param_sharing`` is False (then every name is
-    written separately). Does not save optimizer state or configs.
+    most ``max_shard_size`` bytes (more only when one tensor alone is larger;
+    an int, or a string such as ``"5GB"`` or ``"2GiB"`` read as ``transformers``
+    reads it). Tied parameters are found automatically unless
+    ``param_sharing_metadata`` is given or ``include_param_sharing`` is False
+    (then every name is written separately). A ``transformers`` model's
+    ``config.json`` and ``generation_config.json`` are written too, as
+    ``save_pretrained`` writes them, so ``from_pretrained(output_dir)`` loads
+    the checkpoint; nothing else is (no tokenizer, no optimizer state).
 
     Every file is published atomically (written under a temporary name, then
     renamed; the index last). ``sync_files`` (default) also fsyncs each file
@@ -86,10 +91,12 @@ def save_checkpoint(
     sd = state_dict_of(module)
     sharing = _sharing(module, include_param_sharing, param_sharing_metadata)
     index = make_shard_index([sd], metadata, safetensors, max_shard_size, sharing)
+    configs = model_config_files(module)  # before any file changes: a config transformers refuses stops the save here
     store, root = storage_for(output_dir)
     store.makedirs(root)
     _remove_previous(store, root)
     save_sharded_checkpoint(output_dir, index, sd, safetensors=safetensors, debug=debug, sync_files=sync_files)
+    write_model_config_files(store, root, configs, sync_files)
     save_shard_index(index, output_dir, index_file_name(safetensors), sync_files=sync_files)
 
 

@@ -18,9 +18,7 @@ from typing import List
 from torch import Tensor
 from torch.nn import Module
 
-from shardkit.errors import TensorMismatchError
-
-__all__ = ["create_sharing_metadata", "retie_parameters", "find_shared_groups", "alias_to_source"]
+__all__ = ["create_sharing_metadata", "retie_parameters", "find_shared_groups", "alias_to_source", "tensor_names"]
 
 
 def _identity(tensor: Tensor) -> tuple:
@@ -62,39 +60,40 @@ def alias_to_source(sharing_metadata: List[List[str]]) -> dict[str, str]:
 
 
 def retie_parameters(module: Module, sharing_metadata: List[List[str]]) -> None:
-    """Make every name of each group refer to the group's first parameter (or buffer) again.
+    """Make the names of each group that ``module`` has refer to the first of them again.
 
     Does not copy values: after this, writing one name writes them all.
-    Names the module does not have raise ``TensorMismatchError``.
+    Names the module does not have are skipped, as forgather does: a pipeline
+    stage that holds one side of a tie (or neither) keeps what it has, and a
+    group with fewer than two names in the module changes nothing. Example::
+
+        retie_parameters(stage0, [["embed.weight", "lm_head.weight"]])  # stage0 has no lm_head: no-op
     """
+    have = tensor_names(module)
     for group in sharing_metadata:
-        source = _lookup(module, group[0])
-        for alias in group[1:]:
+        present = [n for n in group if n in have]
+        if len(present) < 2:
+            continue
+        source = _lookup(module, present[0])
+        for alias in present[1:]:
             owner, attr = _owner(module, alias)
-            if isinstance(getattr(owner, attr, None), Tensor) and attr in owner._buffers:
+            if attr in owner._buffers:
                 owner._buffers[attr] = source
             else:
                 setattr(owner, attr, source)
 
 
+def tensor_names(module: Module) -> set:
+    """Every parameter and buffer name of ``module``, tied and non-persistent ones included."""
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return names | {n for n, _ in module.named_buffers(remove_duplicate=False)}
+
+
 def _owner(module: Module, name: str) -> tuple[Module, str]:
     path, _, attr = name.rpartition(".")
-    try:
-        owner = module.get_submodule(path) if path else module
-    except AttributeError as e:
-        raise TensorMismatchError(
-            f"param_sharing names {name!r}, but the module has no submodule {path!r}; "
-            f"the checkpoint belongs to a different model"
-        ) from e
-    return owner, attr
+    return (module.get_submodule(path) if path else module), attr
 
 
 def _lookup(module: Module, name: str) -> Tensor:
     owner, attr = _owner(module, name)
-    tensor = getattr(owner, attr, None)
-    if not isinstance(tensor, Tensor):
-        raise TensorMismatchError(
-            f"param_sharing names {name!r}, but the module has no parameter or buffer by that name; "
-            f"the checkpoint belongs to a different model"
-        )
-    return tensor
+    return getattr(owner, attr)
