@@ -32,6 +32,8 @@ __all__ = [
     "CommTimeoutError",
     "CommAbortedError",
     "CommArgumentError",
+    "CheckpointExistsError",
+    "CheckpointBusyError",
 ]
 
 
@@ -89,3 +91,11 @@ class CommAbortedError(CommError):
 
 class CommArgumentError(CommError, ValueError):
     """Tensors passed to a collective do not fit it (count, shape, dtype or device)."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A save without a group was refused: the directory already holds this rank's files of a checkpoint."""
+
+
+class CheckpointBusyError(CheckpointError):
+    """Another save is writing the same checkpoint directory right now (one writer at a time)."""
