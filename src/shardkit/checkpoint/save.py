@@ -208,8 +208,19 @@ def _existing_files(storage: Storage, directory: str, rank: int) -> list[str]:
     return [n for n in names if storage.exists(storage.join(directory, n))]
 
 
-def _refuse_existing(storage: Storage, directory: str, prep: _Prepared) -> None:
-    rank, world_size = prep.plan.rank, prep.plan.world_size
+def check_may_overwrite(dir, rank: int, world_size: int) -> None:
+    """Raise ``CheckpointExistsError`` where a save without a group and without
+    ``overwrite`` would refuse ``dir`` (several ranks, this rank's files of an earlier save there).
+
+    For callers that want the refusal before they start (``AsyncCheckpointer``);
+    the save itself checks again.
+    """
+    storage, directory = storage_for(dir)
+    if world_size > 1:
+        _refuse_existing(storage, directory, rank, world_size)
+
+
+def _refuse_existing(storage: Storage, directory: str, rank: int, world_size: int) -> None:
     found = _existing_files(storage, directory, rank)
     if found:
         raise CheckpointExistsError(
@@ -224,7 +235,7 @@ def _refuse_existing(storage: Storage, directory: str, prep: _Prepared) -> None:
 def _save_alone(storage: Storage, directory: str, prep: _Prepared, *, refuse_existing: bool) -> None:
     with _lock(storage, directory, prep.plan):
         if refuse_existing:
-            _refuse_existing(storage, directory, prep)
+            _refuse_existing(storage, directory, prep.plan.rank, prep.plan.world_size)
         _withdraw(storage, directory, prep.plan.rank)
         records = _write_rank_files(storage, directory, prep)
         if prep.plan.rank == 0:
