@@ -242,3 +242,17 @@ def test_object_stores_hold_no_lock_and_still_save(tmp_path):
             pass
     save_distributed({"w": torch.ones(2)}, "memory://shardkit-writer-lock-test/ck", 0, 1, None)
     assert validate_distributed("memory://shardkit-writer-lock-test/ck").ok
+
+
+def test_a_file_system_without_flock_saves_unlocked_with_a_warning(tmp_path, monkeypatch):
+    import errno
+
+    import shardkit.storage.lock as lock
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(lock.fcntl, "flock", no_flock)
+    with pytest.warns(RuntimeWarning, match="refuses flock.*holds no writer lock"):
+        save_distributed({"w": torch.ones(2)}, tmp_path, 0, 1, None)
+    assert validate_distributed(tmp_path).ok and os.listdir(tmp_path).count(lock_file_name()) == 0

@@ -16,7 +16,9 @@ the descriptor at once (``os.register_at_fork``) and never unlink the file,
 so a worker process that outlives its parent never keeps a checkpoint
 locked; ``O_CLOEXEC`` does the same for ``exec``. On NFS, Linux emulates
 ``flock`` with POSIX byte-range locks, which the server arbitrates; other
-network file systems may lock only per client. Lock files are named so that
+network file systems may lock only per client, and one that refuses
+``flock`` outright (Lustre mounted ``noflock``: ENOSYS) gets a
+``RuntimeWarning`` and a save that holds no lock, rather than no save. Lock files are named so that
 :func:`is_lock_name` tells them apart; no index, manifest or listing of
 checkpoint files counts them.
 
@@ -36,6 +38,7 @@ import json
 import os
 import socket
 import threading
+import warnings
 from typing import Iterator
 
 from shardkit.errors import CheckpointBusyError
@@ -73,6 +76,9 @@ def local_writer_lock(directory: str, *, slot: int = 0, holder: str = "") -> Ite
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, lock_file_name(slot))
     fd = _acquire(path, holder)
+    if fd is None:
+        yield
+        return
     owner_pid = os.getpid()
     try:
         yield
@@ -81,7 +87,7 @@ def local_writer_lock(directory: str, *, slot: int = 0, holder: str = "") -> Ite
             _release(path, fd)
 
 
-def _acquire(path: str, holder: str) -> int:
+def _acquire(path: str, holder: str) -> int | None:
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
@@ -89,6 +95,9 @@ def _acquire(path: str, holder: str) -> int:
         except OSError as e:
             other = _read_holder(fd)
             os.close(fd)
+            if e.errno in _UNSUPPORTED:
+                _unlocked(path, e)
+                return None
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             raise CheckpointBusyError(_busy_message(path, other)) from e
@@ -103,6 +112,17 @@ def _acquire(path: str, holder: str) -> int:
         _release(path, fd)
         raise
     return fd
+
+
+_UNSUPPORTED = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK}
+
+
+def _unlocked(path: str, e: OSError) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
+    warnings.warn(f"the file system of {os.path.dirname(path)} refuses flock ({e}); this save holds no "
+                  f"writer lock, so make sure no other save writes that directory at the same time",
+                  RuntimeWarning, stacklevel=4)
 
 
 def _still_named(fd: int, path: str) -> bool:
