@@ -200,11 +200,19 @@ class Storage:
 
         Creates ``directory`` if needed. A second holder of the same slot
         fails at once with :class:`~shardkit.errors.CheckpointBusyError`,
-        whose message names the first (pid, host, since when, ``holder``).
-        Local files: an ``flock``'d hidden file (see ``storage.lock``) that the
-        kernel releases when its holder dies. Stores without locks (fsspec,
-        object stores) hold nothing: one writer per directory is then the
-        caller's to ensure.
+        whose message names the first (pid, host, since when, ``holder``);
+        it never waits. Slots are independent (a distributed save takes one
+        per rank; slot 0 is the directory's main writer, also taken by HF
+        saves). Local files: an ``flock``'d hidden file (see ``storage.lock``;
+        :func:`~shardkit.storage.is_lock_name` names it) that the kernel
+        releases when its holder dies. Stores without locks (fsspec, object
+        stores) hold nothing: one writer per directory is then the caller's
+        to ensure.
+
+        Example::
+
+            with store.writer_lock(root, holder="my export"):
+                ...  # write the files of the checkpoint in root
         """
         raise NotImplementedError
 
