@@ -9,6 +9,7 @@ written only after every rank has finished.
 """
 
 import sys
+import tempfile
 
 import torch
 
@@ -21,7 +22,8 @@ from shardkit.checkpoint import (
     validate_distributed,
 )
 
-path = sys.argv[1] if len(sys.argv) > 1 else "/tmp/shardkit-example-ckpt"
+# A new directory per save: without a group, saving over an existing checkpoint is refused.
+path = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="shardkit-example-ckpt-")
 weight = torch.randn(10, 4)                                     # the full tensor, for checking
 old_sizes = compute_shard_sizes(10, 2)                          # [5, 5]
 spec = ShardMetadata(2, {"model.weight": TensorShardSpec((10, 4), 0, tuple(old_sizes))})

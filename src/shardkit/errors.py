@@ -33,6 +33,7 @@ __all__ = [
     "CommAbortedError",
     "CommArgumentError",
     "CheckpointExistsError",
+    "CheckpointBusyError",
 ]
 
 
@@ -93,4 +94,9 @@ class CommArgumentError(CommError, ValueError):
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
-    """Something is already where a checkpoint file or link would go, and overwriting was not asked for."""
+    """Something already exists where a checkpoint, one of its files or a link would go (an earlier
+    save's files of this rank, a real file where a link goes), and overwriting was not asked for."""
+
+
+class CheckpointBusyError(CheckpointError):
+    """Another save is writing the same checkpoint directory right now (one writer at a time)."""

@@ -11,7 +11,8 @@ def rank_slice(full: torch.Tensor, dim: int | None, sizes, rank: int) -> torch.T
     return full.narrow(dim, sum(sizes[:rank]), sizes[rank])
 
 
-def save_full(full_state: dict, directory, world_size: int, dims: dict, *, sizes=None, extra=None):
+def save_full(full_state: dict, directory, world_size: int, dims: dict, *, sizes=None, extra=None,
+              overwrite=False):
     """Save ``full_state`` (flat {name: tensor}) as ``world_size`` ranks would, sharding names in ``dims``."""
     specs = {}
     for name, dim in dims.items():
@@ -23,7 +24,7 @@ def save_full(full_state: dict, directory, world_size: int, dims: dict, *, sizes
         local = {n: rank_slice(t, dims.get(n), list(specs[n].shard_sizes) if n in specs else None, rank)
                  for n, t in full_state.items()}
         local.update(extra or {})
-        save_distributed(local, directory, rank, world_size, meta)
+        save_distributed(local, directory, rank, world_size, meta, overwrite=overwrite)
     return meta
 
 

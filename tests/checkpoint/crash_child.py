@@ -142,5 +142,8 @@ def save_and_die(directory: str, which: str, kill: dict, world_size: int = 1) ->
 
     install_kill_hooks(kill)
     for rank in kill.get("ranks", range(world_size)):
-        save_distributed(make_state(which, rank, world_size), directory, rank, world_size, spec(world_size))
+        # overwrite=True: the "overwrite" mode is exactly an in-place overwrite without a group,
+        # crashed; a no-op for a fresh directory.
+        save_distributed(make_state(which, rank, world_size), directory, rank, world_size, spec(world_size),
+                         overwrite=True)
     os._exit(3)  # the kill point was never reached

@@ -27,8 +27,9 @@ class FakeSave:
         self.gate.set()
         self.fail_with: BaseException | None = None
 
-    def __call__(self, staged, dir, rank, world_size, shard_spec, group):
-        self.calls.append({"staged": staged, "dir": dir, "thread": threading.current_thread().name})
+    def __call__(self, staged, dir, rank, world_size, shard_spec, group, *, overwrite=False):
+        self.calls.append({"staged": staged, "dir": dir, "thread": threading.current_thread().name,
+                           "overwrite": overwrite})
         assert self.gate.wait(30)
         if self.fail_with is not None:
             raise self.fail_with

@@ -162,7 +162,7 @@ def test_flat_shard_metadata_seed_semantics(tmp_path):
 
 def test_overwrite_same_directory(tmp_path):
     save_full({"w": torch.zeros(4)}, tmp_path, 2, {"w": 0})
-    save_full({"w": torch.ones(6)}, tmp_path, 2, {"w": 0})
+    save_full({"w": torch.ones(6)}, tmp_path, 2, {"w": 0}, overwrite=True)  # no group: must be asked for
     assert torch.equal(load_consolidated(tmp_path)["w"], torch.ones(6))
     assert validate_distributed(tmp_path).ok
 

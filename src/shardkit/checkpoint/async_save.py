@@ -17,6 +17,17 @@ the directory of an existing checkpoint withdraws that checkpoint first
 (as ``save_distributed`` does): give each save its own ``dir`` to keep the
 previous one loadable while the next is written.
 
+Overwriting. ``save_async(state)`` with no ``dir`` re-saves into the
+constructor's ``dir``. That always works with a group (the ranks agree, the
+overwrite is crash-safe) and with ``world_size == 1``. Several ranks without
+a group get :class:`~shardkit.errors.CheckpointExistsError` (raised by
+``save_async`` itself, nothing staged) once the directory holds their files
+of an earlier save, because a re-save cut short there can leave a mix of old
+and new shards that loads (see ``save_distributed``): pass ``dir=`` per save,
+or ``overwrite=True`` (to the constructor, or to one ``save_async``) to
+accept that risk. Another save writing the same directory makes the
+background save fail with a ``CheckpointBusyError`` cause.
+
 Staging buffers are kept between saves and reused when a leaf's shape,
 dtype and device kind are unchanged, so the second and later saves skip the
 allocation (for CUDA, the slow pinned allocation). That costs one CPU copy
@@ -82,11 +93,11 @@ class AsyncWaitTimeout(CheckpointError, TimeoutError):
     """
 
 
-def _save_staged(staged, dir, rank, world_size, shard_spec, group) -> None:
+def _save_staged(staged, dir, rank, world_size, shard_spec, group, *, overwrite: bool) -> None:
     # Imported late: shardkit.checkpoint imports this module.
     from shardkit.checkpoint import save_distributed
 
-    save_distributed(staged, dir, rank, world_size, shard_spec, group=group)
+    save_distributed(staged, dir, rank, world_size, shard_spec, group=group, overwrite=overwrite)
 
 
 class CheckpointFuture:
@@ -156,10 +167,12 @@ class CheckpointFuture:
 class AsyncCheckpointer:
     """Save distributed checkpoints in the background while training goes on.
 
-    ``dir``, ``rank``, ``world_size``, ``shard_spec`` and ``group`` mean what
-    they mean for :func:`~shardkit.checkpoint.save_distributed`; ``dir`` is the
-    default target of :meth:`save_async`. See the module docstring for what
-    it does not do and for how it treats ``group``.
+    ``dir``, ``rank``, ``world_size``, ``shard_spec``, ``group`` and
+    ``overwrite`` mean what they mean for
+    :func:`~shardkit.checkpoint.save_distributed`; ``dir`` is the default
+    target of :meth:`save_async`, ``overwrite`` the default of its own
+    ``overwrite``. See the module docstring for what it does not do, for how
+    it treats ``group``, and for re-saving into the same ``dir``.
 
     Example::
 
@@ -168,8 +181,9 @@ class AsyncCheckpointer:
     """
 
     def __init__(self, dir, rank: int, world_size: int, shard_spec, *, group=None,
-                 dedicated_group: bool = True, reuse_buffers: bool = True):
+                 dedicated_group: bool = True, reuse_buffers: bool = True, overwrite: bool = False):
         self.dir = os.fspath(dir)
+        self.overwrite = overwrite
         self.rank = rank
         self.world_size = world_size
         self.shard_spec = shard_spec
@@ -184,21 +198,25 @@ class AsyncCheckpointer:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._closed = False
 
-    def save_async(self, state_dict, *, dir=None) -> CheckpointFuture:
+    def save_async(self, state_dict, *, dir=None, overwrite: bool | None = None) -> CheckpointFuture:
         """Stage ``state_dict`` to CPU memory now, write it in the background; return its future.
 
         Blocks only for the staging copy. Raises ``AsyncCheckpointError`` at once
         if a save is still in flight, if the checkpointer is closed, or if
-        staging fails (e.g. out of host memory); nothing is written then.
+        staging fails (e.g. out of host memory), and ``CheckpointExistsError``
+        for a refused overwrite (``overwrite``: None takes the constructor's;
+        see the module docstring); nothing is written then.
         """
         target = self.dir if dir is None else os.fspath(dir)
+        overwrite = self.overwrite if overwrite is None else overwrite
+        self._check_overwrite(target, overwrite)
         future = self._claim(target)
         # The writer thread starts first and waits for the staged state: started
         # after staging, its first Python would hold the GIL for a switch
         # interval (~5 ms) before this call could return.
         handoff: queue.SimpleQueue = queue.SimpleQueue()
         thread = threading.Thread(
-            target=self._run, args=(future, handoff, target),
+            target=self._run, args=(future, handoff, target, overwrite),
             name=f"shardkit-async-save-rank{self.rank}",
             # Not a daemon: a process that ends its main thread still finishes the save.
             daemon=False,
@@ -288,6 +306,14 @@ class AsyncCheckpointer:
                 f"to {target}"
             )
 
+    def _check_overwrite(self, target: str, overwrite: bool) -> None:
+        # The background save checks again (under its lock); this makes the common
+        # mistake fail here, on the caller's thread, before anything is staged.
+        if self.group is None and not overwrite:
+            from shardkit.checkpoint.save import check_may_overwrite
+
+            check_may_overwrite(target, self.rank, self.world_size)
+
     def _claim(self, target: str) -> CheckpointFuture:
         with self._lock:
             self._check_idle(target)
@@ -310,13 +336,14 @@ class AsyncCheckpointer:
             if self._in_flight is future:
                 self._in_flight = None
 
-    def _run(self, future: CheckpointFuture, handoff: queue.SimpleQueue, target: str) -> None:
+    def _run(self, future: CheckpointFuture, handoff: queue.SimpleQueue, target: str, overwrite: bool) -> None:
         staged = handoff.get()
         if staged is _WITHDRAWN:
             return  # staging failed; save_async raised and never handed out this future
         error = None
         try:
-            _save_staged(staged, target, self.rank, self.world_size, self.shard_spec, self.group)
+            _save_staged(staged, target, self.rank, self.world_size, self.shard_spec, self.group,
+                         overwrite=overwrite)
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             error = e
         finally:

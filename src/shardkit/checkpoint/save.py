@@ -3,13 +3,20 @@
 Order of a save (FORMAT.md invariants 1-3):
 
 1. check the inputs and plan (which tensors this rank writes);
-2. withdraw the old commit first: rank 0 removes ``metadata.json`` and each
+2. take this rank's writer lock on the directory (``Storage.writer_lock``,
+   slot = rank): a second save into a directory being written fails at once
+   with :class:`~shardkit.errors.CheckpointBusyError` naming the writer; a
+   killed writer leaves no stuck lock. With a group every rank locks before
+   the first exchange, so a busy directory fails the whole group before
+   anything is touched;
+3. without a group, refuse to overwrite (below);
+4. withdraw the old commit first: rank 0 removes ``metadata.json`` and each
    rank removes its ``rank_<r>.json``, so an interrupted overwrite of a
    directory reads as *incomplete*, never as an old manifest describing new,
    half-written files;
-3. write ``rank_<r>.safetensors`` (atomically, with block checksums), then
+5. write ``rank_<r>.safetensors`` (atomically, with block checksums), then
    ``rank_<r>.json`` with its record;
-4. rank 0 writes ``metadata.json``.
+6. rank 0 writes ``metadata.json``; the lock is released.
 
 With a group, ranks agree at each step (a pickle-free all-gather of small
 JSON statuses): nobody writes data before rank 0 has withdrawn the old
@@ -18,17 +25,28 @@ metadata, and rank 0 commits only after every rank reported its file
 save on every rank. Without a group each rank proceeds alone, as in the
 seed; the per-rank manifests then tell whether every rank finished.
 
-Saving each step into a fresh directory is the recommended use: the
-previous checkpoint is then never touched. Overwriting a directory in place
-is crash-safe with a group. Without one, the ranks cannot agree on anything
-at save time, so ``metadata.json`` and every ``rank_<r>.json`` carry a
-``save_id`` (a digest of the layout, the plain values and ``metadata``) and
-a rank manifest counts only if its id matches: old and new rank files never
-complete each other as long as the state carries something that changes
-between saves (the step, say). Without a group every rank must therefore
-pass the same plain values and ``metadata`` (they are stored once anyway).
-This module does not stage tensors for background saving (see
-``async_save``).
+Overwriting. Saving each step into a fresh directory is the recommended
+use: the previous checkpoint is then never touched. Overwriting a directory
+in place is crash-safe with a group (the ranks agree), and with
+``world_size == 1`` (one writer: the old commit is withdrawn before a byte
+is written, so a cut-short save reads as incomplete, never as a mix); both
+are always allowed. Without a group and with several ranks, the ranks
+cannot agree on anything at save time: ``metadata.json`` and every
+``rank_<r>.json`` carry a ``save_id`` (a digest of the layout, the plain
+values and ``metadata``) and a rank manifest counts only if its id matches,
+which keeps old and new rank files apart as long as the state carries
+something that changes between saves (the step). When it does not (a
+resumed job saving the same step again) and the save is cut short, the
+directory would validate and load the new files of the ranks that finished
+with the old files of the others. Such a save is therefore refused with
+:class:`~shardkit.errors.CheckpointExistsError` before it touches anything:
+rank ``r`` refuses when its own ``rank_<r>.json`` or ``rank_<r>.safetensors``
+is there (rank 0 also ``metadata.json``), files only an earlier save can
+have written, never ones a faster rank of the same save may just have
+written. ``overwrite=True`` allows it, with exactly the risk above. Without
+a group every rank must pass the same plain values and ``metadata`` (they
+are stored once anyway). This module does not stage tensors for background
+saving (see ``async_save``).
 
 Example::
 
@@ -38,6 +56,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 
@@ -52,10 +71,12 @@ from shardkit.checkpoint.nested import Flat, flatten
 from shardkit.checkpoint.plan import SavePlan, plan_save
 from shardkit.checkpoint.spec import TensorShardSpec, as_spec_dict, check_local_tensor, check_world
 from shardkit.dtypes import to_safetensors_name
-from shardkit.errors import CheckpointError, TensorMismatchError
+from shardkit.errors import CheckpointBusyError, CheckpointError, CheckpointExistsError, TensorMismatchError
 from shardkit.storage import FileRecord, Storage, storage_for, write_safetensors
 
 __all__ = ["save_distributed"]
+
+_FIRST_STEP = "preparing and locking the save"
 
 
 @dataclass
@@ -66,7 +87,8 @@ class _Prepared:
     digest: str
 
 
-def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=None, metadata=None) -> None:
+def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=None, metadata=None,
+                     overwrite: bool = False) -> None:
     """Save this rank's part of ``state_dict`` into the checkpoint directory ``dir``.
 
     ``state_dict`` may be nested; tensors named (by dotted path) in
@@ -86,7 +108,8 @@ def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=Non
     coordinator = resolve_group(group, rank, world_size)
     storage, directory = storage_for(dir)
     if coordinator is None:
-        _save_alone(storage, directory, _prepare(state_dict, rank, world_size, shard_spec, metadata))
+        prep = _prepare(state_dict, rank, world_size, shard_spec, metadata)
+        _save_alone(storage, directory, prep, refuse_existing=world_size > 1 and not overwrite)
     else:
         _save_with_group(storage, directory, coordinator,
                          lambda: _prepare(state_dict, rank, world_size, shard_spec, metadata))
@@ -172,17 +195,65 @@ def _commit(storage: Storage, directory: str, prep: _Prepared, records: dict[str
     write_json(storage, storage.join(directory, METADATA_FILE), manifest_to_json(prep.manifest))
 
 
-def _save_alone(storage: Storage, directory: str, prep: _Prepared) -> None:
-    _withdraw(storage, directory, prep.plan.rank)
-    records = _write_rank_files(storage, directory, prep)
-    if prep.plan.rank == 0:
-        _commit(storage, directory, prep, records)
+def _lock(storage: Storage, directory: str, plan: SavePlan) -> contextlib.AbstractContextManager:
+    # One slot per rank: the ranks of one save never block each other, and rank 0's
+    # slot is the one an HF save of the same directory takes.
+    return storage.writer_lock(directory, slot=plan.rank,
+                               holder=f"save_distributed rank {plan.rank} of {plan.world_size}")
+
+
+def _existing_files(storage: Storage, directory: str, rank: int) -> list[str]:
+    # Only what an earlier save can have written: never a faster rank's files of this save.
+    names = [rank_manifest_name(rank), data_file_name(rank)] + ([METADATA_FILE] if rank == 0 else [])
+    return [n for n in names if storage.exists(storage.join(directory, n))]
+
+
+def check_may_overwrite(dir, rank: int, world_size: int) -> None:
+    """Raise ``CheckpointExistsError`` where a save without a group and without
+    ``overwrite`` would refuse ``dir`` (several ranks, this rank's files of an earlier save there).
+
+    For callers that want the refusal before they start (``AsyncCheckpointer``);
+    the save itself checks again.
+    """
+    storage, directory = storage_for(dir)
+    if world_size > 1:
+        _refuse_existing(storage, directory, rank, world_size)
+
+
+def _refuse_existing(storage: Storage, directory: str, rank: int, world_size: int) -> None:
+    found = _existing_files(storage, directory, rank)
+    if found:
+        raise CheckpointExistsError(
+            f"{directory} already holds {', '.join(found)} from an earlier save; rank {rank} of "
+            f"{world_size} saving without a group cannot know that the other ranks replace their files "
+            f"too, so a re-save cut short could leave a directory that validates and loads old and new "
+            f"shards mixed. Nothing was written. Save each step into a new directory (recommended), pass "
+            f"group= so the ranks agree on the overwrite, or pass overwrite=True if a mix cannot happen "
+            f"(every rank surely finishes, or the plain values differ, e.g. they hold the step)")
+
+
+def _save_alone(storage: Storage, directory: str, prep: _Prepared, *, refuse_existing: bool) -> None:
+    with _lock(storage, directory, prep.plan):
+        if refuse_existing:
+            _refuse_existing(storage, directory, prep.plan.rank, prep.plan.world_size)
+        _withdraw(storage, directory, prep.plan.rank)
+        records = _write_rank_files(storage, directory, prep)
+        if prep.plan.rank == 0:
+            _commit(storage, directory, prep, records)
 
 
 def _save_with_group(storage: Storage, directory: str, coordinator, prepare) -> None:
-    prep, exc = _attempt(prepare)
+    with contextlib.ExitStack() as held:
+        prep, exc = _attempt(prepare)
+        if prep is not None:
+            # Locked before the first exchange: a busy directory fails every rank untouched.
+            _, exc = _attempt(lambda: held.enter_context(_lock(storage, directory, prep.plan)))
+        _save_locked(storage, directory, coordinator, prep, exc)
+
+
+def _save_locked(storage: Storage, directory: str, coordinator, prep: _Prepared | None, exc) -> None:
     statuses = exchange(coordinator, {"error": _describe(exc), "digest": prep.digest if prep else None})
-    _raise_first(statuses, exc, "preparing the save")
+    _raise_first(statuses, exc, _FIRST_STEP)
     if len({s["digest"] for s in statuses}) > 1:
         raise TensorMismatchError(
             "ranks disagree on the tensors to save (names, shapes, dtypes or shard specs differ "
@@ -219,5 +290,7 @@ def _raise_first(statuses: list[dict], own: BaseException | None, step: str) -> 
     failed = [(r, s["error"]) for r, s in enumerate(statuses) if s.get("error")]
     if failed:
         rank, message = failed[0]
-        raise CheckpointError(f"the save failed on rank {rank} while {step}: {message}; "
-                              f"this checkpoint is incomplete (metadata.json was not written)")
+        kind = CheckpointBusyError if message.startswith(f"{CheckpointBusyError.__name__}:") else CheckpointError
+        outcome = ("nothing was written" if step == _FIRST_STEP
+                   else "this checkpoint is incomplete (metadata.json was not written)")
+        raise kind(f"the save failed on rank {rank} while {step}: {message}; {outcome}")

@@ -3,7 +3,11 @@
 Order is what makes a save safe to interrupt: an existing index is removed
 first (the directory stops counting as a checkpoint), then stale shards, then
 each new shard is written whole-or-not-at-all, and the index is written last.
-Tied parameters are stored once and recorded as ``param_sharing``. This
+:func:`save_checkpoint` holds the directory's writer lock for all of it
+(``Storage.writer_lock``, the slot rank 0 of a distributed save also takes):
+a second save into the same directory meanwhile fails at once with
+:class:`~shardkit.errors.CheckpointBusyError` naming the first, and a killed
+writer leaves no stuck lock. Tied parameters are stored once and recorded as ``param_sharing``. This
 module does not load, and does not manage a directory of checkpoints.
 
 Example::
@@ -87,17 +91,20 @@ def save_checkpoint(
     and the directory, so a power loss never leaves a checkpoint that looks
     complete but is not; ``sync_files=False`` skips that, like
     ``save_pretrained`` and ``huggingface_hub`` (and DCP's ``sync_files=False``).
+
+    Raises :class:`~shardkit.errors.CheckpointBusyError`, before touching
+    anything, while another save writes ``output_dir``.
     """
     sd = state_dict_of(module)
     sharing = _sharing(module, include_param_sharing, param_sharing_metadata)
     index = make_shard_index([sd], metadata, safetensors, max_shard_size, sharing)
     configs = model_config_files(module)  # before any file changes: a config transformers refuses stops the save here
     store, root = storage_for(output_dir)
-    store.makedirs(root)
-    _remove_previous(store, root)
-    save_sharded_checkpoint(output_dir, index, sd, safetensors=safetensors, debug=debug, sync_files=sync_files)
-    write_model_config_files(store, root, configs, sync_files)
-    save_shard_index(index, output_dir, index_file_name(safetensors), sync_files=sync_files)
+    with store.writer_lock(root, holder="shardkit.hf.save_checkpoint"):
+        _remove_previous(store, root)
+        save_sharded_checkpoint(output_dir, index, sd, safetensors=safetensors, debug=debug, sync_files=sync_files)
+        write_model_config_files(store, root, configs, sync_files)
+        save_shard_index(index, output_dir, index_file_name(safetensors), sync_files=sync_files)
 
 
 def _sharing(module, include: bool, explicit: Optional[SharingMetadataT]) -> Optional[SharingMetadataT]:
@@ -133,7 +140,9 @@ def save_sharded_checkpoint(
     For one rank of many: files whose tensors are all elsewhere are skipped;
     a file whose tensors are split between this state and another raises
     ``TensorMismatchError`` (it would be written incomplete). Does not write
-    the index: call :func:`save_shard_index` once every rank is done.
+    the index: call :func:`save_shard_index` once every rank is done. Takes
+    no writer lock (it is one rank's part of a save, and ranks writing their
+    own files must not exclude each other); :func:`save_checkpoint` does.
     """
     sd = state_dict_of(module)
     weight_map = shard_index["weight_map"]

@@ -6,6 +6,7 @@ a rank needs; ``shardkit.checkpoint`` plans that and calls in here.
 
 from shardkit.storage.atomic import atomic_local_writer, fsync_dir, is_temp_name, start_writeback
 from shardkit.storage.backend import FsspecStorage, LocalStorage, Reader, Storage, storage_for
+from shardkit.storage.lock import is_lock_name
 from shardkit.storage.checksum import ALGORITHM, BlockHasher, FileRecord
 from shardkit.storage.json_io import parse_json_object
 from shardkit.storage.parallel import run_parallel
@@ -36,6 +37,7 @@ __all__ = [
     "byte_view",
     "check_relative_name",
     "fsync_dir",
+    "is_lock_name",
     "is_temp_name",
     "parse_header",
     "parse_json_object",

@@ -1,0 +1,104 @@
+"""One writer per Hugging Face checkpoint directory: ``save_checkpoint`` holds the writer lock.
+
+Real processes: an HF save held in the middle of a shard while a second HF
+save (or a distributed save) starts; an HF writer SIGKILLed mid-save.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+
+import pytest
+import torch
+
+from shardkit.errors import CheckpointBusyError
+from shardkit.hf import load_checkpoint, save_checkpoint, validate_checkpoint
+from shardkit.storage import is_lock_name
+
+HANG_GUARD_S = 60
+
+
+def _state(value: float) -> dict:
+    return {"a": torch.full((64,), value), "b": torch.full((8, 8), value)}
+
+
+def _hf_save_held_mid_write(directory, value, started, release) -> None:
+    import shardkit.hf.save as hf_save
+
+    real = hf_save.write_safetensors
+
+    def held(*args, **kwargs):
+        started.set()
+        assert release.acquire(timeout=HANG_GUARD_S)
+        return real(*args, **kwargs)
+
+    hf_save.write_safetensors = held
+    save_checkpoint(directory, _state(value), safetensors=True, max_shard_size=256)
+
+
+@pytest.fixture
+def held_hf_writer(tmp_path):
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "shardkit.hf"])
+    started, release = ctx.Event(), ctx.Semaphore(0)   # a semaphore: safe to release after a SIGKILL
+    directory = str(tmp_path / "hf")
+    p = ctx.Process(target=_hf_save_held_mid_write, args=(directory, 1.0, started, release))
+    p.start()
+    try:
+        assert started.wait(HANG_GUARD_S), "the HF writer never reached its first shard"
+        yield p, directory, release
+    finally:
+        release.release()
+        p.join(HANG_GUARD_S)
+        if p.is_alive():
+            p.kill()
+
+
+def _fails_at_once(fn) -> BaseException | None:
+    out = {}
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed back
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(HANG_GUARD_S)
+    assert not t.is_alive(), "the second writer blocked instead of failing at once"
+    return out.get("error")
+
+
+def test_concurrent_hf_saves_the_second_fails_at_once_naming_the_first(held_hf_writer):
+    from shardkit.checkpoint import save_distributed
+
+    p, directory, release = held_hf_writer
+    error = _fails_at_once(lambda: save_checkpoint(directory, _state(2.0), safetensors=True))
+    assert isinstance(error, CheckpointBusyError)
+    assert f"pid {p.pid} on host {socket.gethostname()}" in str(error) and "hf.save_checkpoint" in str(error)
+    error = _fails_at_once(lambda: save_distributed({"w": torch.ones(2)}, directory, 0, 1, None))
+    assert isinstance(error, CheckpointBusyError)                  # the same directory, any format
+    for _ in range(4):
+        release.release()                                           # at least one per shard of the held save
+    p.join(HANG_GUARD_S)
+    assert p.exitcode == 0
+    assert validate_checkpoint(directory)
+    loaded = load_checkpoint(directory, device="cpu")
+    assert torch.equal(loaded["a"], torch.full((64,), 1.0)) and torch.equal(loaded["b"], torch.full((8, 8), 1.0))
+    assert not any(is_lock_name(n) for n in os.listdir(directory))
+
+
+def test_a_sigkilled_hf_writer_leaves_no_stuck_lock(held_hf_writer):
+    p, directory, _ = held_hf_writer
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(HANG_GUARD_S)
+    assert not validate_checkpoint(directory)
+    save_checkpoint(directory, _state(3.0), safetensors=True)
+    assert validate_checkpoint(directory)
+    assert torch.equal(load_checkpoint(directory, device="cpu")["a"], torch.full((64,), 3.0))
+    assert not any(is_lock_name(n) for n in os.listdir(directory))
