@@ -34,6 +34,8 @@ __all__ = [
     "CommArgumentError",
     "CheckpointExistsError",
     "CheckpointBusyError",
+    "CheckpointIOError",
+    "AsyncCheckpointIOError",
 ]
 
 
@@ -100,3 +102,38 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
 
 class CheckpointBusyError(CheckpointError):
     """Another save is writing the same checkpoint directory right now (one writer at a time)."""
+
+
+class CheckpointIOError(CheckpointError, OSError):
+    """Saving hit the disk's or the system's limits: disk full or quota (``ENOSPC``,
+    ``EDQUOT``), a read-only file system (``EROFS``), no permission (``EACCES``, ``EPERM``).
+
+    An ``OSError`` too, with ``errno``, ``strerror`` and ``filename`` of the
+    failure, so ``except OSError`` and ``e.errno == errno.ENOSPC`` keep working.
+    The message says what happened, where, that files already saved are
+    untouched, and what to do.
+
+    Example::
+
+        try:
+            save_distributed(state, "/ckpt/step-10", rank, world_size, spec)
+        except CheckpointIOError as e:
+            if e.errno == errno.ENOSPC:
+                prune_old_checkpoints()
+    """
+
+    def __init__(self, message: str, errno: int | None = None, strerror: str | None = None,
+                 filename: str | None = None):
+        super().__init__(message)
+        self.errno, self.strerror, self.filename = errno, strerror, filename
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):
+        return type(self), (str(self), self.errno, self.strerror, self.filename)
+
+
+class AsyncCheckpointIOError(AsyncCheckpointError, CheckpointIOError):
+    """A background save failed with a :class:`CheckpointIOError`: ``except AsyncCheckpointError``,
+    ``except CheckpointIOError`` and ``except OSError`` all catch it, with the same ``errno``."""

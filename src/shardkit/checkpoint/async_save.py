@@ -78,7 +78,7 @@ import time
 import torch
 
 from shardkit.checkpoint.staging import stage
-from shardkit.errors import AsyncCheckpointError, CheckpointError
+from shardkit.errors import AsyncCheckpointError, AsyncCheckpointIOError, CheckpointError, CheckpointIOError
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]
 
@@ -142,12 +142,14 @@ class CheckpointFuture:
             )
         if self._error is not None:
             self._reported = True
-            raise AsyncCheckpointError(
-                f"the {self._description} to {self.dir} failed: "
-                f"{type(self._error).__name__}: {self._error}. The checkpoint there is "
-                f"incomplete and will not load; checkpoints in other directories are untouched. "
-                f"The checkpointer accepts a new save_async()."
-            ) from self._error
+            message = (f"the {self._description} to {self.dir} failed: "
+                       f"{type(self._error).__name__}: {self._error}. The checkpoint there is "
+                       f"incomplete and will not load; checkpoints in other directories are untouched. "
+                       f"The checkpointer accepts a new save_async().")
+            e = self._error
+            if isinstance(e, CheckpointIOError):  # still an OSError with its errno
+                raise AsyncCheckpointIOError(message, e.errno, e.strerror, e.filename) from e
+            raise AsyncCheckpointError(message) from e
 
     @property
     def duration_s(self) -> float | None:

@@ -252,7 +252,7 @@ def _save_with_group(storage: Storage, directory: str, coordinator, prepare) -> 
 
 
 def _save_locked(storage: Storage, directory: str, coordinator, prep: _Prepared | None, exc) -> None:
-    statuses = exchange(coordinator, {"error": _describe(exc), "digest": prep.digest if prep else None})
+    statuses = exchange(coordinator, {"error": _describe(exc), "digest": prep.digest if prep else None}, _FIRST_STEP)
     _raise_first(statuses, exc, _FIRST_STEP)
     if len({s["digest"] for s in statuses}) > 1:
         raise TensorMismatchError(
@@ -260,16 +260,18 @@ def _save_locked(storage: Storage, directory: str, coordinator, prep: _Prepared 
             "between ranks); every rank must pass the same structure and shard_spec")
     rank = prep.plan.rank
     _, exc = _attempt(lambda: _withdraw(storage, directory, rank))
-    _raise_first(exchange(coordinator, {"error": _describe(exc)}), exc, "withdrawing the previous metadata")
+    _raise_first(exchange(coordinator, {"error": _describe(exc)}, "withdrawing the previous metadata"), exc,
+                 "withdrawing the previous metadata")
     records, exc = _attempt(lambda: _write_rank_files(storage, directory, prep))
     statuses = exchange(coordinator, {"error": _describe(exc),
-                                      "files": {f: r.to_json() for f, r in (records or {}).items()}})
+                                      "files": {f: r.to_json() for f, r in (records or {}).items()}}, "writing the data files")
     _raise_first(statuses, exc, "writing the data files")
     exc = None
     if rank == 0:
         every = {f: FileRecord.from_json(f, r) for s in statuses for f, r in s["files"].items()}
         _, exc = _attempt(lambda: _commit(storage, directory, prep, every))
-    _raise_first(exchange(coordinator, {"error": _describe(exc)}), exc, "writing metadata.json")
+    _raise_first(exchange(coordinator, {"error": _describe(exc)}, "writing metadata.json"), exc,
+                 "writing metadata.json")
 
 
 def _attempt(fn):

@@ -6,6 +6,12 @@ old file (or none) or the complete new one; the temporary name starts with
 ``.`` and ends with ``.tmp`` so listings and validators skip it. This module
 does not create directories.
 
+It is also where a failed local write gets its type: a full disk or quota, a
+read-only file system or a refused permission becomes a
+:class:`~shardkit.errors.CheckpointIOError` (still an ``OSError``, same
+``errno``) whose message names the file and says what to do, also when the
+writer was ``torch.save`` (which reports only "file write failed").
+
 Example::
 
     with atomic_local_writer("/ckpt/metadata.json") as f:
@@ -16,14 +22,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import secrets
 import sys
 from typing import BinaryIO, Iterator
 
 from shardkit import knobs
+from shardkit.errors import CheckpointIOError
 
-__all__ = ["atomic_local_writer", "fsync_dir", "is_temp_name", "start_writeback"]
+__all__ = ["atomic_local_writer", "checkpoint_io_error", "fsync_dir", "is_temp_name", "start_writeback",
+           "typed_io_errors"]
 
 _TMP_SUFFIX = ".tmp"
 
@@ -68,27 +77,87 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
-class _EarlyWritebackFile:
-    """An unbuffered file that asks the kernel to start writing each chunk out
-    as soon as it is written, so the disk works while we still fill the page
-    cache and the final fsync has little left to do. Other file methods
-    (``tell``, ``flush``, ...) go to the underlying file."""
+#: errno -> (what happened, what to do about it)
+_IO_FAILURES = {
+    errno.ENOSPC: ("the disk is full", "Free space (e.g. delete old checkpoints) or save to another disk"),
+    errno.EDQUOT: ("the disk quota is used up", "Free space within the quota, raise the quota, or save elsewhere"),
+    errno.EROFS: ("the file system is read-only", "Remount it read-write, or save to a writable directory"),
+    errno.EACCES: ("permission was denied", "Give this user (uid {uid}) write permission on {dir}, or save "
+                   "to a directory it owns"),
+    errno.EPERM: ("the operation was not permitted", "Give this user (uid {uid}) write permission on {dir}, "
+                  "or save to a directory it owns"),
+}
 
-    def __init__(self, raw):
+_NOTHING_PUBLISHED = ("Nothing was published under that name: the file there before (if any) and every "
+                      "checkpoint already saved are untouched, and the partial temporary file was removed.")
+
+
+def checkpoint_io_error(e: BaseException, path: str, doing: str,
+                        outcome: str = _NOTHING_PUBLISHED) -> CheckpointIOError | None:
+    """The :class:`CheckpointIOError` for ``e`` hit while ``doing`` ``path``; None unless ``e`` is an
+    ``OSError`` of a full disk or quota, a read-only file system or a refused permission.
+
+    >>> checkpoint_io_error(OSError(errno.ENOSPC, "No space left on device"), "/ck/a", "write").errno
+    28
+    """
+    if isinstance(e, CheckpointIOError) or not isinstance(e, OSError) or e.errno not in _IO_FAILURES:
+        return None
+    what, fix = _IO_FAILURES[e.errno]
+    directory = os.path.dirname(os.path.abspath(path))
+    fix = fix.format(uid=os.geteuid() if hasattr(os, "geteuid") else "?", dir=directory)
+    return CheckpointIOError(
+        f"could not {doing} {path}: {what} ({errno.errorcode[e.errno]}: {e.strerror}). {outcome} "
+        f"{fix}, then save again.", e.errno, e.strerror, e.filename if e.filename is not None else path)
+
+
+@contextlib.contextmanager
+def typed_io_errors(path: str, doing: str, outcome: str) -> Iterator[None]:
+    """Raise :func:`checkpoint_io_error`'s typed error (chained) for an ``OSError`` in the block."""
+    try:
+        yield
+    except OSError as e:
+        typed = checkpoint_io_error(e, path, doing, outcome)
+        if typed is None:
+            raise
+        raise typed from e
+
+
+class _LocalFile:
+    """An unbuffered file that remembers the ``OSError`` a write raised (``torch.save``
+    turns it into a bare ``RuntimeError``) and, with ``writeback``, asks the kernel to
+    start writing each chunk out as soon as it is written, so the disk works while we
+    still fill the page cache and the final fsync has little left to do. Other file
+    methods (``tell``, ``flush``, ...) go to the underlying file."""
+
+    def __init__(self, raw, writeback: bool):
         self._raw = raw
+        self._writeback = writeback
         self._written = 0
         self._started = 0
+        self.write_error: OSError | None = None
 
     def write(self, data) -> int:
-        n = self._raw.write(data)
+        try:
+            n = self._raw.write(data)
+        except OSError as e:
+            self.write_error = e
+            raise
         self._written += n
-        if self._written - self._started >= knobs.WRITEBACK_BYTES:
+        if self._writeback and self._written - self._started >= knobs.WRITEBACK_BYTES:
             start_writeback(self._raw.fileno(), self._started, self._written - self._started)
             self._started = self._written
         return n
 
     def __getattr__(self, name):
         return getattr(self._raw, name)
+
+
+def _own_write_failure(e: BaseException, f: _LocalFile, names: tuple[str, ...]) -> BaseException | None:
+    """The ``OSError`` behind ``e`` if it came from writing this file, else None (e.g. a lazy
+    tensor's loader failing to read another file must keep its own error)."""
+    if isinstance(e, OSError) and (e.filename is None or os.fspath(e.filename) in names):
+        return e
+    return f.write_error
 
 
 @contextlib.contextmanager
@@ -100,21 +169,35 @@ def atomic_local_writer(path: str, durable: bool = True) -> Iterator[BinaryIO]:
     published file survives a power loss. ``durable=False`` keeps only the
     all-or-nothing rename (readers never see a partial file; after a power
     loss the file may be empty or missing), as ``torch.save`` and
-    ``safetensors`` give.
+    ``safetensors`` give. A full disk, a read-only file system or a refused
+    permission, in the block or here, raises ``CheckpointIOError``.
     """
     directory, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
-    f = open(tmp, "xb", buffering=0)
+    with typed_io_errors(path, "create a temporary file in the directory of",
+                         "Nothing was written: every file already there is untouched."):
+        raw = open(tmp, "xb", buffering=0)
+    f = _LocalFile(raw, durable)
+    published = False
     try:
-        yield _EarlyWritebackFile(f) if durable else f
+        yield f
         if durable:
-            os.fsync(f.fileno())
-        f.close()
+            os.fsync(raw.fileno())
+        raw.close()
         os.replace(tmp, path)
+        published = True
         if durable:
             fsync_dir(directory)
-    except BaseException:
-        f.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+    except BaseException as e:
+        raw.close()
+        if not published:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        cause = _own_write_failure(e, f, (tmp, path, directory))
+        typed = cause and checkpoint_io_error(
+            cause, path, "write", _NOTHING_PUBLISHED if not published else
+            "The file was renamed into place but its directory could not be synced: it may be "
+            "missing after a power loss.")
+        if typed is not None:
+            raise typed from e
         raise

@@ -25,7 +25,7 @@ from typing import BinaryIO, Iterator
 
 from shardkit import knobs
 from shardkit.errors import MissingShardError
-from shardkit.storage.atomic import atomic_local_writer, fsync_dir
+from shardkit.storage.atomic import atomic_local_writer, fsync_dir, typed_io_errors
 from shardkit.storage.lock import local_writer_lock
 from shardkit.storage.memcopy import buffer_address, copy_bytes
 
@@ -250,14 +250,16 @@ class LocalStorage(Storage):
         return os.path.getsize(path)
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
+        with typed_io_errors(path, "create the directory", "Nothing was written; every checkpoint already saved is untouched."):
+            os.makedirs(path, exist_ok=True)
 
     def listdir(self, path: str) -> list[str]:
         return sorted(os.listdir(path))
 
     def remove(self, path: str) -> None:
-        os.remove(path)
-        fsync_dir(os.path.dirname(path) or ".")
+        with typed_io_errors(path, "remove", "Nothing was removed or written: every checkpoint already saved is untouched."):
+            os.remove(path)
+            fsync_dir(os.path.dirname(path) or ".")
 
     def open_reader(self, path: str) -> Reader:
         try:

@@ -14,16 +14,24 @@ where buffered writes took 0.9-1.2 s in a quiet minute and 4-8 s when the
 host had reclaimed the guest's free memory (fresh page-cache pages then
 fault in from the host) -- the common case between two saves.
 
-What it does not do: it does not open, fsync, rename or hash files (the
-caller does: ``storage.writer`` and ``storage.atomic``), and it is only for
-local files. Where the file system refuses ``O_DIRECT`` (``EINVAL`` when the
+Given a ``BlockHasher``, the sink hashes each bounce buffer's bytes (not the
+source's) on its own thread, in file order, beside the writes: the record
+describes the bytes handed to ``pwrite``. The buffers are private memory
+(``MAP_PRIVATE``), and a forked child starts with an empty pool, so two
+processes never write through the same buffer (a shared one once let
+concurrent saves in forked ranks commit each other's bytes).
+
+What it does not do: it does not open, fsync or rename files (the caller
+does: ``storage.writer`` and ``storage.atomic``), and it is only for local
+files. Where the file system refuses ``O_DIRECT`` (``EINVAL`` when the
 flag is set or at a write) the same fd falls back to buffered writes with
 early writeback, so a file is never lost to a missing feature.
 
 Example::
 
-    sink = open_direct_sink(fd)      # None: use buffered writes
+    sink = open_direct_sink(fd, BlockHasher(8 << 20))      # None: use buffered writes
     sink.write(memoryview(header)); sink.write(byte_view(tensor)); sink.close()
+    sink.hasher.finish()     # the FileRecord of the bytes written
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from shardkit import knobs
 from shardkit.storage.atomic import start_writeback
+from shardkit.storage.checksum import BlockHasher
 from shardkit.storage.memcopy import buffer_address, copy_bytes
 
 __all__ = ["DirectSink", "open_direct_sink", "ALIGN_BYTES"]
@@ -49,22 +58,29 @@ __all__ = ["DirectSink", "open_direct_sink", "ALIGN_BYTES"]
 ALIGN_BYTES = 4096
 
 
-def open_direct_sink(fd: int) -> "DirectSink | None":
-    """Turn on ``O_DIRECT`` for ``fd`` and return a sink for it; None where that is not possible."""
+def open_direct_sink(fd: int, hasher: BlockHasher | None = None) -> "DirectSink | None":
+    """Turn on ``O_DIRECT`` for ``fd`` and return a sink for it; None where that is not possible.
+
+    ``hasher`` (optional) is fed the bytes written, in file order.
+    """
     if not knobs.DIRECT_IO or not hasattr(os, "O_DIRECT"):
         return None
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
     except OSError:
         return None  # e.g. a file system without direct I/O
-    return DirectSink(fd)
+    return DirectSink(fd, hasher)
 
 
 class _Bounce:
-    """One page-aligned anonymous buffer (an ``mmap``), touched once when made."""
+    """One page-aligned anonymous buffer (an ``mmap``), touched once when made.
+
+    Private (``MAP_PRIVATE``): Python's default for ``mmap.mmap(-1, n)`` is
+    ``MAP_SHARED``, which a forked child would share with its parent.
+    """
 
     def __init__(self, nbytes: int):
-        self.map = mmap.mmap(-1, nbytes)
+        self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.view = memoryview(self.map)
         self.addr = buffer_address(self.view)
         ctypes.memset(self.addr, 0, nbytes)  # fault it in now, not during a save
@@ -98,20 +114,36 @@ class _BouncePool:
 _POOL = _BouncePool()
 
 
+def _fresh_pool_in_child() -> None:
+    # The parent's buffers (and a lock another thread may hold at the fork) stay
+    # the parent's: the child allocates its own.
+    global _POOL
+    _POOL = _BouncePool()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_pool_in_child)
+
+
 class DirectSink:
     """Sequential bytes in, aligned ``O_DIRECT`` positional writes out; ``close()`` sets the size.
 
     ``write`` copies each piece into the current bounce buffer (the caller's
     memory is free once it returns) and hands a full buffer to the writer
-    threads; at most ``DIRECT_IO_QUEUE_DEPTH`` are in flight.
+    threads; at most ``DIRECT_IO_QUEUE_DEPTH`` are in flight. With a
+    ``hasher``, each full buffer is also hashed (its bytes up to the padding)
+    on one more thread, in file order; a buffer is reused only once both its
+    write and its hash are done.
     """
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, hasher: BlockHasher | None = None):
         self._fd = fd
+        self.hasher = hasher
+        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="shardkit-dio-hash") if hasher else None
         self._block_bytes = max(ALIGN_BYTES, knobs.DIRECT_IO_BLOCK_BYTES // ALIGN_BYTES * ALIGN_BYTES)
         self._depth = max(1, knobs.DIRECT_IO_QUEUE_DEPTH)
         self._pool = ThreadPoolExecutor(self._depth, thread_name_prefix="shardkit-dio")
-        self._pending: collections.deque[tuple[Future, _Bounce]] = collections.deque()
+        self._pending: collections.deque[tuple[Future, Future | None, _Bounce]] = collections.deque()
         self._buf: _Bounce | None = None
         self._filled_bytes = 0    # in the current buffer
         self._block_offset = 0    # file offset where the current buffer goes
@@ -133,7 +165,7 @@ class DirectSink:
             self._filled_bytes += take
             done += take
             if self._filled_bytes == self._block_bytes:
-                self._submit(self._block_bytes)
+                self._submit(self._block_bytes, self._block_bytes)
 
     def drain(self) -> None:
         """Wait for the writes in flight (the bytes of every ``write`` so far are already copied)."""
@@ -147,13 +179,16 @@ class DirectSink:
             if self._filled_bytes:
                 padded = -(-self._filled_bytes // ALIGN_BYTES) * ALIGN_BYTES
                 ctypes.memset(self._buf.addr + self._filled_bytes, 0, padded - self._filled_bytes)
-                self._submit(padded)
+                self._submit(padded, self._filled_bytes)
             self.drain()
             os.ftruncate(self._fd, size)
         finally:
             self._pool.shutdown(wait=True)
-            for _, buf in self._pending:  # only after a failure
+            if self._hashing is not None:
+                self._hashing.shutdown(wait=True)  # no thread reads a buffer after this
+            for _, _, buf in self._pending:  # only after a failure
                 _POOL.give(buf)
+            self._pending.clear()
             if self._buf is not None:
                 _POOL.give(self._buf)
                 self._buf = None
@@ -166,14 +201,20 @@ class DirectSink:
         return _POOL.take(self._block_bytes)
 
     def _retire(self) -> None:
-        future, buf = self._pending[0]
-        future.result()  # raises the write's error; the buffer stays listed for close()
+        written, hashed, buf = self._pending[0]
+        written.result()  # raises the write's error; the buffer stays listed for close()
+        if hashed is not None:
+            hashed.result()
         self._pending.popleft()
         _POOL.give(buf)
 
-    def _submit(self, nbytes: int) -> None:
+    def _submit(self, nbytes: int, data_bytes: int) -> None:
+        """Hand the current buffer's first ``nbytes`` to a writer (``data_bytes`` of them are data)."""
         buf, offset = self._buf, self._block_offset
-        self._pending.append((self._pool.submit(self._pwrite, buf.view[:nbytes], offset), buf))
+        hashed = None
+        if self._hashing is not None:
+            hashed = self._hashing.submit(self.hasher.update, buf.view[:data_bytes])
+        self._pending.append((self._pool.submit(self._pwrite, buf.view[:nbytes], offset), hashed, buf))
         self._buf, self._filled_bytes = None, 0
         self._block_offset += self._block_bytes
 

@@ -42,6 +42,7 @@ import warnings
 from typing import Iterator
 
 from shardkit.errors import CheckpointBusyError
+from shardkit.storage.atomic import typed_io_errors
 
 __all__ = ["LOCK_FILE_PREFIX", "is_lock_name", "local_writer_lock", "lock_file_name"]
 
@@ -73,9 +74,10 @@ def local_writer_lock(directory: str, *, slot: int = 0, holder: str = "") -> Ite
     Raises :class:`~shardkit.errors.CheckpointBusyError` at once when another
     process (or another open in this one) holds it.
     """
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, lock_file_name(slot))
-    fd = _acquire(path, holder)
+    with typed_io_errors(path, "take the writer lock", "Nothing was written; every checkpoint already saved is untouched."):
+        os.makedirs(directory, exist_ok=True)
+        fd = _acquire(path, holder)
     if fd is None:
         yield
         return
@@ -106,11 +108,8 @@ def _acquire(path: str, holder: str) -> int | None:
         os.close(fd)  # the holder unlinked it as we opened it: lock the file now under that name
     with _held_guard:
         _held_fds.add(fd)
-    try:
+    with contextlib.suppress(OSError):  # who holds it is for messages only: a full disk must not stop the save here
         _write_holder(fd, holder)
-    except BaseException:
-        _release(path, fd)
-        raise
     return fd
 
 

@@ -6,7 +6,11 @@ bounce buffers (``storage.direct_io``), a few large writes in flight; where
 the file system refuses that, or for ``durable=False``, ``knobs.WRITE_THREADS``
 threads write positionally into the page cache, each chunk's writeback
 started as soon as it is written; other stores get one sequential stream.
-Hashing runs on its own thread, in file order, beside the writes. Tensors
+Hashing runs on its own thread, in file order, beside the writes. The
+recorded checksums are those of the bytes handed to the file: on the direct
+path the bounce buffers' bytes are hashed too, and a block that differs from
+the tensors' own bytes (memory changed between the copy and the write) fails
+the save with ``ChecksumError`` before the file is published. Tensors
 may be given lazily (:class:`LazyTensor`), so a converter holds about one
 tensor at a time. This module does not decide which tensors go to which file.
 
@@ -28,6 +32,7 @@ import torch
 
 from shardkit import knobs
 from shardkit.dtypes import itemsize_bytes, to_safetensors_name
+from shardkit.errors import ChecksumError
 from shardkit.storage.atomic import start_writeback
 from shardkit.storage.backend import LocalStorage, Storage
 from shardkit.storage.checksum import BlockHasher, FileRecord
@@ -92,7 +97,7 @@ def write_safetensors(
     # One hashing worker keeps the updates in file order.
     with ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash") as hashing:
         with storage.atomic_writer(path, durable) as f:
-            sink = _local_sink(f.fileno(), durable) if isinstance(storage, LocalStorage) else _StreamSink(f)
+            sink = _sink(storage, f, durable, checksum)
             try:
                 for view, lazy in _views(header, order):
                     for start in range(0, len(view), knobs.IO_CHUNK_BYTES):
@@ -105,7 +110,29 @@ def write_safetensors(
                         hashing.submit(lambda: None).result()
             finally:
                 sink.close()
-        return None if hasher is None else hashing.submit(hasher.finish).result()
+            if hasher is None:
+                return None
+            # Inside the block: a mismatch must not publish the file.
+            return _record_of_written(path, hashing.submit(hasher.finish).result(), sink.hasher)
+
+
+def _record_of_written(path: str, source: FileRecord, written_hasher: BlockHasher | None) -> FileRecord:
+    """The record of the bytes written, after checking them block by block against the source's."""
+    if written_hasher is None:
+        return source  # the sink wrote straight from the tensors' memory
+    written = written_hasher.finish()
+    if written.block_checksums != source.block_checksums or written.bytes != source.bytes:
+        block = next((i for i, (a, b) in enumerate(zip(written.block_checksums, source.block_checksums)) if a != b),
+                     min(len(written.block_checksums), len(source.block_checksums)))
+        start = block * source.block_bytes
+        raise ChecksumError(
+            f"{path}: the bytes written to disk differ from the tensors' bytes at {start}..."
+            f"{start + source.block_bytes} (block {block}; {written.bytes} bytes written, {source.bytes} "
+            f"expected): memory changed between the copy into the write buffers and the write (another "
+            f"process writing through the same buffers, or a tensor modified during the save). Nothing "
+            f"was published under that name and the file there before is untouched; save again, and "
+            f"report a bug if it repeats")
+    return written
 
 
 def _views(header: bytes, order: list[tuple[str, TensorLike]]):
@@ -114,14 +141,20 @@ def _views(header: bytes, order: list[tuple[str, TensorLike]]):
         yield byte_view(_materialise(t)), isinstance(t, LazyTensor)
 
 
-def _local_sink(fd: int, durable: bool):
-    """Direct I/O for durable writes where the file system takes it, else positional buffered writes."""
-    direct = open_direct_sink(fd) if durable else None
-    return direct if direct is not None else _PositionalSink(fd, durable)
+def _sink(storage: Storage, f, durable: bool, checksum: bool):
+    """Direct I/O for durable local writes where the file system takes it (hashing the bytes it
+    writes when ``checksum``), else positional buffered writes; one stream for other stores."""
+    if not isinstance(storage, LocalStorage):
+        return _StreamSink(f)
+    hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES) if checksum else None
+    direct = open_direct_sink(f.fileno(), hasher) if durable else None
+    return direct if direct is not None else _PositionalSink(f.fileno(), durable)
 
 
 class _StreamSink:
     """Sequential writes to a file object (fsspec and other stores)."""
+
+    hasher = None  # writes the caller's memory itself: the source's hashes are the written bytes'
 
     def __init__(self, f):
         self._f = f
@@ -145,6 +178,8 @@ class _PositionalSink:
     At most about ``2 * WRITE_THREADS`` chunks are in flight, so a lazy tensor's
     memory is released soon after its bytes are written.
     """
+
+    hasher = None  # writes the caller's memory itself: the source's hashes are the written bytes'
 
     def __init__(self, fd: int, start_writeback: bool = True):
         self._fd, self._offset, self._writeback = fd, 0, start_writeback
