@@ -24,9 +24,19 @@ from typing import Callable, Mapping
 
 from shardkit.checkpoint.manifest import SavedTensor, data_file_name
 from shardkit.checkpoint.spec import TensorShardSpec
-from shardkit.layout import Box, Piece, compute_shard_sizes, overlapping_chunks, plan_box_reads, shard_box, whole_box
+from shardkit.layout import (
+    Box,
+    Piece,
+    compute_shard_sizes,
+    overlapping_chunks,
+    plan_box_reads,
+    shard_box,
+    shard_offsets,
+    whole_box,
+)
 
-__all__ = ["SavePlan", "plan_save", "ChunkRead", "TensorLoad", "wanted_box", "plan_load"]
+__all__ = ["SavePlan", "plan_save", "ChunkRead", "TensorLoad", "wanted_box", "plan_load", "saved_chunks",
+           "chunks_by_file", "overlapping_saved_chunks"]
 
 
 @dataclass(frozen=True)
@@ -92,23 +102,45 @@ def wanted_box(saved: SavedTensor, num_ranks: int, new_rank: int, new_world_size
 
 
 def saved_chunks(saved: SavedTensor) -> list[tuple[str, Box]]:
-    """Every saved chunk of a tensor: (file name, box in the full tensor)."""
+    """Every saved chunk of a tensor: (file name, box in the full tensor). Linear in the number of ranks."""
     spec = saved.spec
     if spec.shard_dim is None:
         return [(data_file_name(saved.owner_rank), whole_box(spec.full_shape))]
-    return [(data_file_name(r), shard_box(spec.full_shape, spec.shard_dim, spec.shard_sizes, r))
-            for r in range(len(spec.shard_sizes))]
+    chunks = []
+    for rank, (offset, size) in enumerate(zip(shard_offsets(spec.shard_sizes), spec.shard_sizes)):
+        offsets = [0] * len(spec.full_shape)
+        sizes = list(spec.full_shape)
+        offsets[spec.shard_dim], sizes[spec.shard_dim] = offset, size
+        chunks.append((data_file_name(rank), Box(tuple(offsets), tuple(sizes))))
+    return chunks
+
+
+def chunks_by_file(tensors: Mapping[str, SavedTensor]) -> dict[str, list[tuple[str, Box]]]:
+    """``file -> [(tensor name, chunk box)]`` for every saved chunk; linear in the metadata's size."""
+    by_file: dict[str, list[tuple[str, Box]]] = {}
+    for name, saved in tensors.items():
+        for file, box in saved_chunks(saved):
+            by_file.setdefault(file, []).append((name, box))
+    return by_file
+
+
+def overlapping_saved_chunks(saved: SavedTensor, box: Box) -> list[tuple[str, Box, Box]]:
+    """``(file, chunk box, overlap)`` for every saved chunk of a tensor that shares an element with ``box``."""
+    chunks = saved_chunks(saved)
+    return [(chunks[i][0], chunks[i][1], overlap) for i, overlap in overlapping_chunks([b for _, b in chunks], box)]
 
 
 def plan_load(tensors: Mapping[str, SavedTensor], want: Mapping[str, Box],
               max_scratch_elems_of: Callable[[str], int]) -> list[TensorLoad]:
-    """For each ``name -> box`` in ``want``, the reads from every overlapping saved chunk."""
+    """For each ``name -> box`` in ``want``, the reads from every overlapping saved chunk.
+
+    It trusts the chunk shapes: check them against the files first
+    (``execute.check_chunks``), so a claimed shape no file holds never drives planning.
+    """
     plans = []
     for name, box in want.items():
-        chunks = saved_chunks(tensors[name])
         reads = []
-        for index, overlap in overlapping_chunks([b for _, b in chunks], box):
-            file, chunk = chunks[index]
+        for file, chunk, overlap in overlapping_saved_chunks(tensors[name], box):
             pieces = plan_box_reads(
                 chunk.sizes, _minus(overlap.offsets, chunk.offsets),
                 box.sizes, _minus(overlap.offsets, box.offsets),
