@@ -27,7 +27,7 @@ from shardkit import knobs
 from shardkit.dtypes import from_safetensors_name, to_safetensors_name
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError, TensorMismatchError
 from shardkit.checkpoint.manifest import Manifest, SavedTensor, file_records
-from shardkit.checkpoint.plan import ChunkRead, TensorLoad, overlapping_saved_chunks, saved_chunks
+from shardkit.checkpoint.plan import ChunkRead, TensorLoad, nonempty_chunk_files, overlapping_saved_chunks
 from shardkit.layout import Box
 from shardkit.storage import (
     FileRecord,
@@ -186,7 +186,7 @@ def saved_dtype(files: OpenFiles, name: str, saved: SavedTensor) -> torch.dtype:
     if saved.dtype is not None:
         return from_safetensors_name(saved.dtype)
     # Seed format: the dtype lives only in the headers (F32 or F64).
-    for file, _ in saved_chunks(saved):
+    for file in nonempty_chunk_files(saved):
         entry = files.get(file)[1].tensors.get(name)
         if entry is not None:
             return from_safetensors_name(entry.dtype)

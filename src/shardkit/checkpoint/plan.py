@@ -19,8 +19,10 @@ Example::
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Container, Iterator, Mapping
 
 from shardkit.checkpoint.manifest import SavedTensor, data_file_name
 from shardkit.checkpoint.spec import TensorShardSpec
@@ -36,7 +38,7 @@ from shardkit.layout import (
 )
 
 __all__ = ["SavePlan", "plan_save", "ChunkRead", "TensorLoad", "wanted_box", "plan_load", "saved_chunks",
-           "chunks_by_file", "overlapping_saved_chunks"]
+           "chunks_by_file", "overlapping_saved_chunks", "nonempty_chunk_files"]
 
 
 @dataclass(frozen=True)
@@ -106,28 +108,67 @@ def saved_chunks(saved: SavedTensor) -> list[tuple[str, Box]]:
     spec = saved.spec
     if spec.shard_dim is None:
         return [(data_file_name(saved.owner_rank), whole_box(spec.full_shape))]
-    chunks = []
-    for rank, (offset, size) in enumerate(zip(shard_offsets(spec.shard_sizes), spec.shard_sizes)):
-        offsets = [0] * len(spec.full_shape)
-        sizes = list(spec.full_shape)
-        offsets[spec.shard_dim], sizes[spec.shard_dim] = offset, size
-        chunks.append((data_file_name(rank), Box(tuple(offsets), tuple(sizes))))
-    return chunks
+    offsets = shard_offsets(spec.shard_sizes)
+    return [_rank_chunk(saved, rank, offsets[rank]) for rank in range(len(spec.shard_sizes))]
 
 
-def chunks_by_file(tensors: Mapping[str, SavedTensor]) -> dict[str, list[tuple[str, Box]]]:
-    """``file -> [(tensor name, chunk box)]`` for every saved chunk; linear in the metadata's size."""
+def _rank_chunk(saved: SavedTensor, rank: int, offset: int) -> tuple[str, Box]:
+    spec = saved.spec
+    offsets = [0] * len(spec.full_shape)
+    sizes = list(spec.full_shape)
+    offsets[spec.shard_dim], sizes[spec.shard_dim] = offset, spec.shard_sizes[rank]
+    return data_file_name(rank), Box(tuple(offsets), tuple(sizes))
+
+
+def chunks_by_file(tensors: Mapping[str, SavedTensor], files: Container[str] | None = None
+                   ) -> dict[str, list[tuple[str, Box]]]:
+    """``file -> [(tensor name, chunk box)]`` for every saved chunk (in ``files`` only, when given).
+
+    Linear in the metadata's size.
+    """
     by_file: dict[str, list[tuple[str, Box]]] = {}
     for name, saved in tensors.items():
-        for file, box in saved_chunks(saved):
-            by_file.setdefault(file, []).append((name, box))
+        spec = saved.spec
+        if spec.shard_dim is None:
+            chunks = saved_chunks(saved)
+        else:
+            offsets = shard_offsets(spec.shard_sizes)
+            chunks = [_rank_chunk(saved, r, offsets[r]) for r in range(len(spec.shard_sizes))
+                      if files is None or data_file_name(r) in files]
+        for file, box in chunks:
+            if files is None or file in files:
+                by_file.setdefault(file, []).append((name, box))
     return by_file
 
 
 def overlapping_saved_chunks(saved: SavedTensor, box: Box) -> list[tuple[str, Box, Box]]:
-    """``(file, chunk box, overlap)`` for every saved chunk of a tensor that shares an element with ``box``."""
-    chunks = saved_chunks(saved)
+    """``(file, chunk box, overlap)`` for every saved chunk of a tensor that shares an element with ``box``.
+
+    Sharded tensors: the ranks whose slices meet the box along the shard
+    dimension are found by bisection, so a load touches only those ranks.
+    """
+    spec = saved.spec
+    if spec.shard_dim is None:
+        chunks = saved_chunks(saved)
+    else:
+        offsets = list(itertools.accumulate(spec.shard_sizes, initial=0))
+        lo = box.offsets[spec.shard_dim]
+        hi = lo + box.sizes[spec.shard_dim]
+        first = max(0, bisect.bisect_right(offsets, lo) - 1)
+        last = min(len(spec.shard_sizes), bisect.bisect_left(offsets, hi))
+        chunks = [_rank_chunk(saved, r, offsets[r]) for r in range(first, last) if spec.shard_sizes[r]]
     return [(chunks[i][0], chunks[i][1], overlap) for i, overlap in overlapping_chunks([b for _, b in chunks], box)]
+
+
+def nonempty_chunk_files(saved: SavedTensor) -> Iterator[str]:
+    """The files holding a non-empty chunk of the tensor, in rank order (lazily)."""
+    spec = saved.spec
+    if spec.shard_dim is None:
+        yield data_file_name(saved.owner_rank)
+        return
+    for rank, size in enumerate(spec.shard_sizes):
+        if size:
+            yield data_file_name(rank)
 
 
 def plan_load(tensors: Mapping[str, SavedTensor], want: Mapping[str, Box],

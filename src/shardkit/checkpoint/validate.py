@@ -70,8 +70,8 @@ def validate_distributed(dir) -> ValidationReport:
     except (CheckpointError, OSError) as e:
         report.problems.append(str(e))
         records = dict(m.files)
-    chunks = chunks_by_file(m.tensors)
     present = _present_names(storage, directory)
+    chunks = chunks_by_file(m.tensors, present)
     missing = []
     for rank in range(m.num_ranks):
         name = data_file_name(rank)
