@@ -43,8 +43,14 @@ _values = st.recursive(_leaves, lambda c: st.lists(c, max_size=3) | st.dictionar
                        max_leaves=6)
 
 
-class _Deep(str):
+class _Deep:
     """Stands for ``depth`` nested arrays; spliced in as text after json.dumps (which would recurse)."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+
+    def __repr__(self) -> str:
+        return f"_Deep({self.depth})"
 
 
 def _dumps(obj) -> bytes:
@@ -52,7 +58,7 @@ def _dumps(obj) -> bytes:
 
     def default_walk(node):
         if isinstance(node, _Deep):
-            deep.append(int(node))
+            deep.append(node.depth)
             return f"__deep_{len(deep) - 1}__"
         if isinstance(node, dict):
             return {k: default_walk(v) for k, v in node.items()}
@@ -66,7 +72,7 @@ def _dumps(obj) -> bytes:
     return text.encode()
 
 
-_replacements = _values | st.integers(150, 5000).map(lambda n: _Deep(str(n)))
+_replacements = _values | st.integers(150, 5000).map(_Deep)
 
 
 def _paths(node, path=()):
