@@ -29,6 +29,35 @@ MAX_SAFETENSORS_HEADER_BYTES: int = 100_000_000
 #: Largest index / metadata JSON file we agree to read.
 MAX_INDEX_BYTES: int = 10 * 1024 * 1024
 
+# --- limits on untrusted files (metadata.json, rank manifests, safetensors headers) ---------
+# A file on disk may be damaged or hostile: these bound the work and memory that
+# parsing and planning may spend on it (see ``storage.json_io``).
+
+#: Deepest nesting of JSON arrays/objects accepted (checked before parsing, so a
+#: deeply nested file never reaches Python's recursion limit). A nested state of
+#: depth d needs about 3 * d levels in ``structure``.
+MAX_JSON_DEPTH: int = 200
+
+#: Longest number literal (characters) accepted in JSON: ints up to 40 digits, so
+#: 64-bit sizes pass and a 5,000-digit integer is refused before ``int()`` runs.
+MAX_JSON_NUMBER_CHARS: int = 40
+
+#: Longest tensor, file or key name accepted from a manifest or header.
+MAX_NAME_CHARS: int = 65536
+
+#: Most dimensions a saved tensor may claim.
+MAX_TENSOR_NDIM: int = 64
+
+#: Largest dimension or byte count a manifest or header may claim (torch sizes are int64).
+MAX_TENSOR_DIM: int = 2**63 - 1
+
+#: Most ranks a checkpoint may claim to have been saved by.
+MAX_NUM_RANKS: int = 1 << 20
+
+#: Largest checksum block accepted from a manifest; hashing streams through
+#: buffers of at most ``IO_CHUNK_BYTES`` whatever the block size.
+MAX_CHECKSUM_BLOCK_BYTES: int = 1 << 30
+
 #: Threads used to read files in parallel inside one process.
 IO_THREADS: int = 4
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 __all__ = [
+    "bounded_numel",
     "Box",
     "Piece",
     "compute_shard_sizes",
@@ -49,6 +50,25 @@ class Box(NamedTuple):
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
+
+
+def bounded_numel(shape: Sequence[int], limit: int) -> int | None:
+    """The element count of ``shape``, or None when it exceeds ``limit`` (never builds a huge product).
+
+    Claimed shapes come from untrusted files: this stops multiplying as soon
+    as the product passes ``limit`` (a zero dimension anywhere gives 0).
+
+    >>> bounded_numel((2**50, 2**50, 0), 10), bounded_numel((2**50, 2), 10)
+    (0, None)
+    """
+    if any(d == 0 for d in shape):
+        return 0
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel > limit:
+            return None
+    return numel
 
 
 def compute_shard_sizes(total: int, num_parts: int) -> list[int]:

@@ -27,7 +27,8 @@ from shardkit import knobs
 from shardkit.dtypes import from_safetensors_name, to_safetensors_name
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError, TensorMismatchError
 from shardkit.checkpoint.manifest import Manifest, SavedTensor, file_records
-from shardkit.checkpoint.plan import ChunkRead, TensorLoad, saved_chunks
+from shardkit.checkpoint.plan import ChunkRead, TensorLoad, nonempty_chunk_files, overlapping_saved_chunks
+from shardkit.layout import Box
 from shardkit.storage import (
     FileRecord,
     Reader,
@@ -39,7 +40,7 @@ from shardkit.storage import (
     run_parallel,
 )
 
-__all__ = ["OpenFiles", "run_loads", "check_plans", "saved_dtype", "scratch_elems_of"]
+__all__ = ["OpenFiles", "run_loads", "check_chunks", "check_plans", "saved_dtype", "scratch_elems_of"]
 
 #: Direct reads are cut into jobs of about this size so threads can share one big file.
 _JOB_BYTES = 64 * 1024 * 1024
@@ -118,6 +119,7 @@ def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str
 
     >>> run_loads(files, plans, dtypes.__getitem__, {"w": model_w})["w"] is model_w
     """
+    check_plans(files, plans, dtype_of)  # headers first: nothing is allocated for a shape no file holds
     outputs = {p.name: _output(p, dtype_of(p.name), outputs or {}) for p in plans}
     jobs: list[Callable[[], None]] = []
     direct: dict[str, list[tuple[int, memoryview]]] = {}
@@ -153,6 +155,21 @@ def _output(plan: TensorLoad, dtype: torch.dtype, given: Mapping[str, torch.Tens
     return out.detach()  # the same memory; one that requires grad cannot be viewed as bytes
 
 
+def check_chunks(files: OpenFiles, tensors: Mapping[str, SavedTensor], want: Mapping[str, Box],
+                 dtypes: Mapping[str, torch.dtype]) -> None:
+    """Check, before planning or allocating, every file header that holds a chunk overlapping a wanted box.
+
+    Each such chunk must be in its file under the tensor's name with the
+    chunk's shape and the saved dtype. Headers are checked against their
+    files' sizes when parsed, so after this every shape that drives planning
+    and allocation is one the files really hold: a claimed ``[2**50, 2]``
+    raises here instead of planning billions of reads or allocating terabytes.
+    """
+    for name, box in want.items():
+        for file, chunk, _ in overlapping_saved_chunks(tensors[name], box):
+            _check_entry(files, name, ChunkRead(file, chunk.sizes, []), dtypes[name])
+
+
 def check_plans(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str], torch.dtype]) -> None:
     """Check every file header a plan reads from (name, dtype, chunk shape), reading no tensor bytes.
 
@@ -169,7 +186,7 @@ def saved_dtype(files: OpenFiles, name: str, saved: SavedTensor) -> torch.dtype:
     if saved.dtype is not None:
         return from_safetensors_name(saved.dtype)
     # Seed format: the dtype lives only in the headers (F32 or F64).
-    for file, _ in saved_chunks(saved):
+    for file in nonempty_chunk_files(saved):
         entry = files.get(file)[1].tensors.get(name)
         if entry is not None:
             return from_safetensors_name(entry.dtype)

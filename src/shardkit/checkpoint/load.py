@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from shardkit.checkpoint.execute import OpenFiles, run_loads, saved_dtype, scratch_elems_of
+from shardkit.checkpoint.execute import OpenFiles, check_chunks, run_loads, saved_dtype, scratch_elems_of
 from shardkit.checkpoint.load_into import load_into
 from shardkit.checkpoint.manifest import Manifest, read_manifest
 from shardkit.checkpoint.nested import select_names, unflatten
@@ -156,6 +156,7 @@ def _check_box(name: str, full_shape: tuple[int, ...], offsets, sizes) -> Box:
 def _load_boxes(storage, directory: str, m: Manifest, want: dict[str, Box], verify) -> dict[str, torch.Tensor]:
     with OpenFiles.for_load(storage, directory, m, verify) as files:
         dtypes = {n: saved_dtype(files, n, m.tensors[n]) for n in want}
+        check_chunks(files, m.tensors, want, dtypes)  # claimed shapes vs the files, before planning
         plans = plan_load(m.tensors, want, scratch_elems_of(dtypes))
         return run_loads(files, plans, dtypes.__getitem__)
 

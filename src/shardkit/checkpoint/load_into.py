@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from shardkit import knobs
-from shardkit.checkpoint.execute import OpenFiles, check_plans, run_loads, saved_dtype, scratch_elems_of
+from shardkit.checkpoint.execute import OpenFiles, check_chunks, check_plans, run_loads, saved_dtype, scratch_elems_of
 from shardkit.checkpoint.manifest import Manifest
 from shardkit.checkpoint.nested import join_name, select_names
 from shardkit.checkpoint.plan import TensorLoad, plan_load, wanted_box
@@ -65,6 +65,7 @@ def load_into(out: Mapping, storage: Storage, directory: str, m: Manifest, rank:
         dtypes = {n: saved_dtype(files, n, m.tensors[n]) for n in want}
         for n, t in targets.items():
             _check_dtype(n, t, dtypes[n])
+        check_chunks(files, m.tensors, want, dtypes)  # claimed shapes vs the files, before planning
         plans = plan_load(m.tensors, want, scratch_elems_of(dtypes))
         check_plans(files, plans, dtypes.__getitem__)
         _fill(files, plans, targets, dtypes)

@@ -29,10 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit import knobs
+from shardkit.checkpoint.nested import PLAIN_TYPES, check_structure
 from shardkit.checkpoint.spec import TensorShardSpec, check_spec
 from shardkit.dtypes import NAME_TO_DTYPE
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
 from shardkit.storage import FileRecord, Storage, check_relative_name, parse_json_object
+from shardkit.storage.json_io import expect_dict, expect_int, expect_list, expect_str, short_repr
 
 __all__ = [
     "FORMAT",
@@ -131,30 +133,39 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
 
 
 def parse_manifest(source: str, data: bytes) -> Manifest:
-    """Parse the bytes of a ``metadata.json`` (``source`` names it in errors)."""
+    """Parse the bytes of a ``metadata.json`` (``source`` names it in errors).
+
+    Every field is type-checked here, once (limits in ``shardkit.knobs``), so
+    later code trusts the result: ``num_ranks`` in ``1..MAX_NUM_RANKS``, each
+    spec's shape, dim and sizes ints within bounds and consistent, dtypes
+    known, file names safe with well-formed records, ``objects`` plain values
+    and ``structure`` a tree whose leaves are exactly the tensors and objects.
+    Anything else raises :class:`MetadataError`.
+    """
     obj = _load_json(source, data)
     version = _check_version(source, obj, FORMAT)
-    try:
-        num_ranks = obj["num_ranks"]
-        raw_specs = obj["tensor_specs"]
-        if not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or num_ranks < 1:
-            raise ValueError(f"num_ranks is {num_ranks!r}, expected an integer >= 1")
-        if not isinstance(raw_specs, dict):
-            raise ValueError("tensor_specs is not an object")
-        tensors = {name: _saved_tensor(source, name, raw, num_ranks, version) for name, raw in raw_specs.items()}
-        files = {check_relative_name(f, (".safetensors",), source=source): FileRecord.from_json(f, r)
-                 for f, r in (obj.get("files") or {}).items()}
-        objects = obj.get("objects") or {}
-        user_metadata = obj.get("user_metadata") or {}
-        if not isinstance(objects, dict) or not isinstance(user_metadata, dict):
-            raise ValueError("objects and user_metadata must be objects")
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, MetadataError):
-            raise
-        raise MetadataError(f"{source} is malformed: {e!r}; it is corrupt or not a shardkit checkpoint") from e
+    num_ranks = expect_int(obj.get("num_ranks"), f"{source}: num_ranks", low=1, high=knobs.MAX_NUM_RANKS)
+    raw_specs = expect_dict(obj.get("tensor_specs"), f"{source}: tensor_specs")
+    tensors = {expect_str(name, f"{source}: a tensor name"): _saved_tensor(source, name, raw, num_ranks, version)
+               for name, raw in raw_specs.items()}
+    files = {check_relative_name(f, (".safetensors",), source=source): FileRecord.from_json(f, r)
+             for f, r in expect_dict(obj.get("files") or {}, f"{source}: files").items()}
+    objects = expect_dict(obj.get("objects") or {}, f"{source}: objects")
+    for name, value in objects.items():
+        if not isinstance(value, PLAIN_TYPES):
+            raise MetadataError(f"{source}: object {short_repr(name)} is {short_repr(value)}; plain leaves are "
+                                f"int, float, bool, str or null. {_FIX}")
+    user_metadata = expect_dict(obj.get("user_metadata") or {}, f"{source}: user_metadata")
+    structure = obj.get("structure")
+    if structure is not None:
+        check_structure(structure, tensors, objects, source=source)
     save_id = obj.get("save_id")
-    return Manifest(version, num_ranks, tensors, files, objects, obj.get("structure"), user_metadata,
-                    save_id if isinstance(save_id, str) else None)
+    if save_id is not None:
+        expect_str(save_id, f"{source}: save_id")
+    return Manifest(version, num_ranks, tensors, files, objects, structure, user_metadata, save_id)
+
+
+_FIX = "The file is corrupt or not a shardkit checkpoint: load an earlier checkpoint."
 
 
 def _load_json(source: str, data: bytes) -> Any:
@@ -165,29 +176,38 @@ def _check_version(source: str, obj: dict, expected_format: str) -> int | None:
     if "format" not in obj and "format_version" not in obj:
         return None  # the seed's format: num_ranks + tensor_specs only
     if obj.get("format") != expected_format:
-        raise MetadataError(f"{source} has format {obj.get('format')!r}, expected {expected_format!r}")
+        raise MetadataError(f"{source} has format {short_repr(obj.get('format'))}, expected {expected_format!r}")
     version = obj.get("format_version")
-    if version not in SUPPORTED_VERSIONS:
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
         raise MetadataError(
-            f"{source} has format_version {version!r}; this shardkit supports "
+            f"{source} has format_version {short_repr(version)}; this shardkit supports "
             f"{', '.join(map(str, SUPPORTED_VERSIONS))}. Upgrade shardkit to read it."
         )
     return version
 
 
 def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int | None) -> SavedTensor:
-    spec = TensorShardSpec(tuple(raw["full_shape"]), raw["shard_dim"], tuple(raw.get("shard_sizes") or ()))
+    what = f"{source}: tensor {short_repr(name)}"
+    raw = expect_dict(raw, what)
+    shape = expect_list(raw.get("full_shape"), f"{what}: full_shape", max_items=knobs.MAX_TENSOR_NDIM)
+    full_shape = tuple(expect_int(d, f"{what}: full_shape[{i}]") for i, d in enumerate(shape))
+    shard_dim = raw.get("shard_dim")
+    if shard_dim is not None:
+        shard_dim = expect_int(shard_dim, f"{what}: shard_dim", high=knobs.MAX_TENSOR_NDIM)
+    sizes = expect_list(raw.get("shard_sizes") or [], f"{what}: shard_sizes", max_items=num_ranks)
+    shard_sizes = tuple(expect_int(s, f"{what}: shard_sizes[{i}]") for i, s in enumerate(sizes))
+    spec = TensorShardSpec(full_shape, shard_dim, shard_sizes)
     check_spec(name, spec, num_ranks, source=source)
     dtype = raw.get("dtype")
-    if version is not None and dtype not in NAME_TO_DTYPE:
-        raise MetadataError(f"{source}: tensor {name!r} has dtype {dtype!r}; known: {', '.join(NAME_TO_DTYPE)}")
+    if (version is not None or dtype is not None) and (not isinstance(dtype, str) or dtype not in NAME_TO_DTYPE):
+        raise MetadataError(f"{what} has dtype {short_repr(dtype)}; known: {', '.join(NAME_TO_DTYPE)}")
     owner = raw.get("owner_rank")
     if spec.shard_dim is None:
         if version is None:
-            raise MetadataError(f"{source}: tensor {name!r} is replicated, which the seed format cannot express")
-        if not isinstance(owner, int) or not 0 <= owner < num_ranks:
-            raise MetadataError(
-                f"{source}: replicated tensor {name!r} has owner_rank {owner!r}; expected 0..{num_ranks - 1}")
+            raise MetadataError(f"{what} is replicated, which the seed format cannot express")
+        if not isinstance(owner, int) or isinstance(owner, bool) or not 0 <= owner < num_ranks:
+            raise MetadataError(f"{what} is replicated and has owner_rank {short_repr(owner)}; expected "
+                                f"0..{num_ranks - 1}. {_FIX}")
     return SavedTensor(spec, dtype, owner if spec.shard_dim is None else None)
 
 
@@ -204,21 +224,19 @@ def read_rank_manifest(storage: Storage, directory: str, rank: int, num_ranks: i
     _check_version(path, obj, RANK_FORMAT)
     if obj.get("rank") != rank or obj.get("num_ranks") != num_ranks:
         raise IncompleteCheckpointError(
-            f"{path} belongs to rank {obj.get('rank')!r} of {obj.get('num_ranks')!r}, expected rank {rank} "
+            f"{path} belongs to rank {short_repr(obj.get('rank'))} of {short_repr(obj.get('num_ranks'))}, expected rank {rank} "
             f"of {num_ranks}: it is left over from another save into the same directory"
         )
     if save_id is not None and obj.get("save_id") != save_id:
         raise IncompleteCheckpointError(
-            f"{path} belongs to a different save than {METADATA_FILE} (save_id {obj.get('save_id')!r}, "
+            f"{path} belongs to a different save than {METADATA_FILE} (save_id {short_repr(obj.get('save_id'))}, "
             f"expected {save_id!r}): an overwrite of this directory was interrupted, or, without a group, "
             f"the ranks passed different plain values or metadata (every rank must pass the same). "
             f"Load an earlier checkpoint; save each step to a new directory, or pass group="
         )
-    try:
-        return {check_relative_name(f, (".safetensors",), source=path): FileRecord.from_json(f, r)
-                for f, r in obj["files"].items()}
-    except (KeyError, AttributeError, TypeError) as e:
-        raise MetadataError(f"{path} is malformed ({e!r})") from e
+    files = expect_dict(obj.get("files"), f"{path}: files")
+    return {check_relative_name(f, (".safetensors",), source=path): FileRecord.from_json(f, r)
+            for f, r in files.items()}
 
 
 def file_records(storage: Storage, directory: str, m: Manifest) -> dict[str, FileRecord]:

@@ -24,9 +24,10 @@ from typing import Any, Mapping
 
 import torch
 
-from shardkit.errors import TensorMismatchError
+from shardkit.errors import MetadataError, TensorMismatchError
+from shardkit.storage.json_io import short_repr
 
-__all__ = ["Flat", "flatten", "unflatten", "select_names", "join_name", "PLAIN_TYPES"]
+__all__ = ["Flat", "flatten", "unflatten", "select_names", "join_name", "check_structure", "PLAIN_TYPES"]
 
 PLAIN_TYPES = (bool, int, float, str, type(None))
 _TENSOR, _OBJECT = "T", "O"
@@ -126,6 +127,58 @@ def _build(node: Any, path: str, leaves: Mapping[str, Any], keep: set[str] | Non
     if keep is not None and path and not built:
         return _MISSING
     return built
+
+
+def check_structure(structure: Any, tensor_names, object_names, *, source: str) -> None:
+    """Raise :class:`MetadataError` unless ``structure`` (from a file) rebuilds exactly these leaves.
+
+    Checks, without recursion (the JSON depth is bounded by the parser):
+    every node is ``"T"``, ``"O"`` or ``{"dict": [[key, node], ...]}`` /
+    ``{"list": [...]}`` / ``{"tuple": [...]}``, keys are str or int, no two
+    leaves share a dotted name, and the ``"T"`` leaves are exactly
+    ``tensor_names`` and the ``"O"`` leaves exactly ``object_names``, so
+    :func:`unflatten` can neither fail nor drop a leaf.
+
+    >>> check_structure({"dict": [["w", "T"]]}, {"w"}, set(), source="metadata.json")
+    """
+    found = {_TENSOR: set(), _OBJECT: set()}
+    stack: list[tuple[str, Any]] = [("", structure)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, str) and node in found:
+            if path in found[_TENSOR] or path in found[_OBJECT] or path == "":
+                raise MetadataError(f"{source}: structure has two leaves named {path!r} (or a leaf at the top); "
+                                    f"{_STRUCTURE_FIX}")
+            found[node].add(path)
+            continue
+        stack.extend(_children(node, path, source))
+    for kind, names, what in ((_TENSOR, tensor_names, "tensor_specs"), (_OBJECT, object_names, "objects")):
+        if found[kind] != set(names):
+            extra = sorted(found[kind] - set(names))[:3]
+            missing = sorted(set(names) - found[kind])[:3]
+            raise MetadataError(f"{source}: structure does not match {what}: leaves only in structure "
+                                f"{extra}, names only in {what} {missing}; {_STRUCTURE_FIX}")
+
+
+_STRUCTURE_FIX = "metadata.json is corrupt; load an earlier checkpoint"
+
+
+def _children(node: Any, path: str, source: str) -> list[tuple[str, Any]]:
+    if not (isinstance(node, dict) and len(node) == 1 and next(iter(node)) in ("dict", "list", "tuple")
+            and isinstance(next(iter(node.values())), list)):
+        raise MetadataError(f"{source}: structure node {path or '(top)'!r} is {short_repr(node)}; expected "
+                            f'"T", "O" or {{"dict"|"list"|"tuple": [...]}}. {_STRUCTURE_FIX}')
+    (kind, items), = node.items()
+    if kind != "dict":
+        return [(join_name(path, i), child) for i, child in enumerate(items)]
+    children = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
+                and not isinstance(item[0], bool)):
+            raise MetadataError(f"{source}: structure entry under {path or '(top)'!r} is {short_repr(item)}; "
+                                f"expected [key, node] with a str or int key. {_STRUCTURE_FIX}")
+        children.append((join_name(path, item[0]), item[1]))
+    return children
 
 
 def select_names(all_names: list[str], keys) -> list[str]:

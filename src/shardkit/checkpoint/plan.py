@@ -19,14 +19,26 @@ Example::
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Container, Iterator, Mapping
 
 from shardkit.checkpoint.manifest import SavedTensor, data_file_name
 from shardkit.checkpoint.spec import TensorShardSpec
-from shardkit.layout import Box, Piece, compute_shard_sizes, overlapping_chunks, plan_box_reads, shard_box, whole_box
+from shardkit.layout import (
+    Box,
+    Piece,
+    compute_shard_sizes,
+    overlapping_chunks,
+    plan_box_reads,
+    shard_box,
+    shard_offsets,
+    whole_box,
+)
 
-__all__ = ["SavePlan", "plan_save", "ChunkRead", "TensorLoad", "wanted_box", "plan_load"]
+__all__ = ["SavePlan", "plan_save", "ChunkRead", "TensorLoad", "wanted_box", "plan_load", "saved_chunks",
+           "chunks_by_file", "overlapping_saved_chunks", "nonempty_chunk_files"]
 
 
 @dataclass(frozen=True)
@@ -92,23 +104,84 @@ def wanted_box(saved: SavedTensor, num_ranks: int, new_rank: int, new_world_size
 
 
 def saved_chunks(saved: SavedTensor) -> list[tuple[str, Box]]:
-    """Every saved chunk of a tensor: (file name, box in the full tensor)."""
+    """Every saved chunk of a tensor: (file name, box in the full tensor). Linear in the number of ranks."""
     spec = saved.spec
     if spec.shard_dim is None:
         return [(data_file_name(saved.owner_rank), whole_box(spec.full_shape))]
-    return [(data_file_name(r), shard_box(spec.full_shape, spec.shard_dim, spec.shard_sizes, r))
-            for r in range(len(spec.shard_sizes))]
+    offsets = shard_offsets(spec.shard_sizes)
+    return [_rank_chunk(saved, rank, offsets[rank]) for rank in range(len(spec.shard_sizes))]
+
+
+def _rank_chunk(saved: SavedTensor, rank: int, offset: int) -> tuple[str, Box]:
+    spec = saved.spec
+    offsets = [0] * len(spec.full_shape)
+    sizes = list(spec.full_shape)
+    offsets[spec.shard_dim], sizes[spec.shard_dim] = offset, spec.shard_sizes[rank]
+    return data_file_name(rank), Box(tuple(offsets), tuple(sizes))
+
+
+def chunks_by_file(tensors: Mapping[str, SavedTensor], files: Container[str] | None = None
+                   ) -> dict[str, list[tuple[str, Box]]]:
+    """``file -> [(tensor name, chunk box)]`` for every saved chunk (in ``files`` only, when given).
+
+    Linear in the metadata's size.
+    """
+    by_file: dict[str, list[tuple[str, Box]]] = {}
+    for name, saved in tensors.items():
+        spec = saved.spec
+        if spec.shard_dim is None:
+            chunks = saved_chunks(saved)
+        else:
+            offsets = shard_offsets(spec.shard_sizes)
+            chunks = [_rank_chunk(saved, r, offsets[r]) for r in range(len(spec.shard_sizes))
+                      if files is None or data_file_name(r) in files]
+        for file, box in chunks:
+            if files is None or file in files:
+                by_file.setdefault(file, []).append((name, box))
+    return by_file
+
+
+def overlapping_saved_chunks(saved: SavedTensor, box: Box) -> list[tuple[str, Box, Box]]:
+    """``(file, chunk box, overlap)`` for every saved chunk of a tensor that shares an element with ``box``.
+
+    Sharded tensors: the ranks whose slices meet the box along the shard
+    dimension are found by bisection, so a load touches only those ranks.
+    """
+    spec = saved.spec
+    if spec.shard_dim is None:
+        chunks = saved_chunks(saved)
+    else:
+        offsets = list(itertools.accumulate(spec.shard_sizes, initial=0))
+        lo = box.offsets[spec.shard_dim]
+        hi = lo + box.sizes[spec.shard_dim]
+        first = max(0, bisect.bisect_right(offsets, lo) - 1)
+        last = min(len(spec.shard_sizes), bisect.bisect_left(offsets, hi))
+        chunks = [_rank_chunk(saved, r, offsets[r]) for r in range(first, last) if spec.shard_sizes[r]]
+    return [(chunks[i][0], chunks[i][1], overlap) for i, overlap in overlapping_chunks([b for _, b in chunks], box)]
+
+
+def nonempty_chunk_files(saved: SavedTensor) -> Iterator[str]:
+    """The files holding a non-empty chunk of the tensor, in rank order (lazily)."""
+    spec = saved.spec
+    if spec.shard_dim is None:
+        yield data_file_name(saved.owner_rank)
+        return
+    for rank, size in enumerate(spec.shard_sizes):
+        if size:
+            yield data_file_name(rank)
 
 
 def plan_load(tensors: Mapping[str, SavedTensor], want: Mapping[str, Box],
               max_scratch_elems_of: Callable[[str], int]) -> list[TensorLoad]:
-    """For each ``name -> box`` in ``want``, the reads from every overlapping saved chunk."""
+    """For each ``name -> box`` in ``want``, the reads from every overlapping saved chunk.
+
+    It trusts the chunk shapes: check them against the files first
+    (``execute.check_chunks``), so a claimed shape no file holds never drives planning.
+    """
     plans = []
     for name, box in want.items():
-        chunks = saved_chunks(tensors[name])
         reads = []
-        for index, overlap in overlapping_chunks([b for _, b in chunks], box):
-            file, chunk = chunks[index]
+        for file, chunk, overlap in overlapping_saved_chunks(tensors[name], box):
             pieces = plan_box_reads(
                 chunk.sizes, _minus(overlap.offsets, chunk.offsets),
                 box.sizes, _minus(overlap.offsets, box.offsets),

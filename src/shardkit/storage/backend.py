@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 import threading
 from typing import BinaryIO, Iterator
 
@@ -29,7 +30,7 @@ from shardkit.storage.atomic import atomic_local_writer, fsync_dir, typed_io_err
 from shardkit.storage.lock import local_writer_lock
 from shardkit.storage.memcopy import buffer_address, copy_bytes
 
-__all__ = ["Reader", "Storage", "LocalStorage", "FsspecStorage", "storage_for"]
+__all__ = ["Reader", "Storage", "LocalStorage", "FsspecStorage", "storage_for", "check_regular_file"]
 
 
 class Reader:
@@ -80,8 +81,17 @@ class _LocalReader(Reader):
     """
 
     def __init__(self, path: str):
-        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        super().__init__(path, os.fstat(self._fd).st_size)
+        check_regular_file(path)
+        # O_NONBLOCK: should a FIFO replace the file after the check, opening it still does not block.
+        self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(self._fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _not_regular(path, st.st_mode)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        super().__init__(path, st.st_size)
         self._map_lock = threading.Lock()
         self._map: mmap.mmap | None = None
         self._map_address: int | None = None  # None: not mapped yet; 0: cannot be mapped
@@ -133,6 +143,30 @@ class _LocalReader(Reader):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def check_regular_file(path: str) -> None:
+    """Raise :class:`MissingShardError` unless ``path`` is a regular local file (checked without opening it).
+
+    A FIFO, socket or device in place of a checkpoint file would block or
+    stream forever, and a directory fails later with a raw ``IsADirectoryError``.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError as e:
+        raise MissingShardError(f"{path} does not exist") from e
+    except NotADirectoryError as e:
+        raise MissingShardError(f"{path} does not exist (a part of its path is not a directory)") from e
+    if not stat.S_ISREG(mode):
+        raise _not_regular(path, mode)
+
+
+def _not_regular(path: str, mode: int) -> MissingShardError:
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "not a regular file")
+    return MissingShardError(f"{path} is {kind}, not a regular file, so it was not opened; a checkpoint file "
+                             f"must be a plain file. Remove or replace it (or load an earlier checkpoint)")
 
 
 class _FileObjReader(Reader):
@@ -264,6 +298,8 @@ class LocalStorage(Storage):
     def open_reader(self, path: str) -> Reader:
         try:
             return _LocalReader(path)
+        except MissingShardError:
+            raise
         except FileNotFoundError as e:
             raise MissingShardError(f"{path} does not exist") from e
 
@@ -274,6 +310,7 @@ class LocalStorage(Storage):
         return local_writer_lock(directory, slot=slot, holder=holder)
 
     def map_private(self, path: str) -> "mmap.mmap | None":
+        check_regular_file(path)
         try:
             with open(path, "rb") as f:
                 if os.fstat(f.fileno()).st_size == 0:

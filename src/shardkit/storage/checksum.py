@@ -16,15 +16,27 @@ Example::
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import xxhash
 
+from shardkit import knobs
 from shardkit.errors import ChecksumError, MetadataError
+from shardkit.storage.json_io import expect_int, short_repr
 
 __all__ = ["ALGORITHM", "FileRecord", "BlockHasher", "block_digest", "combine_block_digests"]
 
 ALGORITHM = "xxh3_64_blocks"
+
+
+def _check_digest(value: object, what: str) -> None:
+    if not (isinstance(value, str) and _DIGEST.fullmatch(value)):
+        raise MetadataError(f"{what} is {short_repr(value)}, expected 16 hex digits (xxh3-64); the manifest "
+                            f"is corrupt")
+
+
+_DIGEST = re.compile("[0-9a-f]{16}")
 
 
 def block_digest(data) -> str:
@@ -56,38 +68,44 @@ class FileRecord:
 
     @classmethod
     def from_json(cls, name: str, obj: object) -> "FileRecord":
-        """Parse a manifest entry, raising :class:`MetadataError` on a malformed one."""
-        try:
-            record = cls(
-                bytes=int(obj["bytes"]),
-                checksum=str(obj["checksum"]),
-                block_bytes=int(obj["block_bytes"]),
-                block_checksums=[str(c) for c in obj["block_checksums"]],
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise MetadataError(
-                f"the entry for file {name!r} in the manifest is malformed ({e!r}); expected "
-                f"{{bytes, checksum, block_bytes, block_checksums}}"
-            ) from e
-        if not record.checksum.startswith(ALGORITHM + ":"):
-            raise MetadataError(
-                f"file {name!r} has checksum {record.checksum!r}; this shardkit knows only {ALGORITHM}"
-            )
-        expected_blocks = -(-record.bytes // record.block_bytes) if record.block_bytes > 0 else -1
-        if expected_blocks != len(record.block_checksums):
-            raise MetadataError(
-                f"file {name!r}: {record.bytes} bytes in blocks of {record.block_bytes} need "
-                f"{expected_blocks} block checksums, the manifest has {len(record.block_checksums)}"
-            )
-        return record
+        """Parse a manifest entry, raising :class:`MetadataError` on a malformed one.
+
+        Every field is type-checked: ``bytes`` an int >= 0, ``block_bytes`` an
+        int in ``1..knobs.MAX_CHECKSUM_BLOCK_BYTES``, ``checksum`` and each of
+        ``block_checksums`` a 16-hex-digit xxh3-64 value, one block checksum per block.
+        """
+        what = f"the manifest entry for file {short_repr(name)}"
+        shape = "expected {bytes, checksum, block_bytes, block_checksums}"
+        if not isinstance(obj, dict):
+            raise MetadataError(f"{what} is {short_repr(obj)}; {shape}")
+        size = expect_int(obj.get("bytes"), f"{what}: bytes")
+        block_bytes = expect_int(obj.get("block_bytes"), f"{what}: block_bytes", low=1,
+                                 high=knobs.MAX_CHECKSUM_BLOCK_BYTES)
+        checksum = obj.get("checksum")
+        if not isinstance(checksum, str) or not checksum.startswith(ALGORITHM + ":"):
+            raise MetadataError(f"{what} has checksum {short_repr(checksum)}; this shardkit knows only "
+                                f"{ALGORITHM}:<16 hex digits>")
+        expected_blocks = -(-size // block_bytes)
+        raw_blocks = obj.get("block_checksums")
+        if not isinstance(raw_blocks, list) or len(raw_blocks) != expected_blocks:
+            found = len(raw_blocks) if isinstance(raw_blocks, list) else short_repr(raw_blocks)
+            raise MetadataError(f"{what}: {size} bytes in blocks of {block_bytes} need {expected_blocks} block "
+                                f"checksums, the manifest has {found}; the manifest is corrupt")
+        _check_digest(checksum[len(ALGORITHM) + 1:], f"{what}: checksum")
+        for index, digest in enumerate(raw_blocks):
+            _check_digest(digest, f"{what}: block_checksums[{index}]")
+        return cls(size, checksum, block_bytes, raw_blocks)
 
     def verify_block(self, index: int, data, *, file_name: str) -> None:
         """Raise :class:`ChecksumError` unless ``data`` is block ``index`` as saved."""
-        found = block_digest(data)
+        self.verify_digest(index, block_digest(data), len(data), file_name=file_name)
+
+    def verify_digest(self, index: int, found: str, length: int, *, file_name: str) -> None:
+        """Raise :class:`ChecksumError` unless ``found`` is the saved digest of block ``index`` (``length`` bytes)."""
         if found != self.block_checksums[index]:
             start = index * self.block_bytes
             raise ChecksumError(
-                f"{file_name}: bytes {start}..{start + len(data)} do not match their checksum "
+                f"{file_name}: bytes {start}..{start + length} do not match their checksum "
                 f"(expected {self.block_checksums[index]}, found {found}); the file is corrupt. "
                 f"Restore it from a copy, or load an earlier checkpoint."
             )

@@ -1,29 +1,150 @@
-"""Untrusted JSON from disk: parse it, or raise a ``MetadataError`` that says how to fix it.
+"""Untrusted JSON from disk: parse it once, with limits, or raise a ``MetadataError`` that says how to fix it.
 
 Every JSON file shardkit reads (``metadata.json``, rank manifests, shard
 indexes, metrics, safetensors headers) must be an object. This module parses
-bytes only; callers read the file (with their size limit) and check the shape.
+bytes only; callers read the file (with their size limit) and check the shape
+with the ``expect_*`` helpers, which raise :class:`MetadataError` naming what
+was found. Limits (``shardkit.knobs``):
+
+- nesting deeper than ``MAX_JSON_DEPTH`` is refused by a linear scan *before*
+  parsing, so no input reaches Python's recursion limit;
+- number literals longer than ``MAX_JSON_NUMBER_CHARS`` (a 5,000-digit
+  integer), ``NaN``, ``Infinity`` and floats that overflow (``1e400``) are
+  refused while parsing.
+
+It does not bound the file size (callers read with ``max_bytes``) and does
+not know what the object means.
 
 Example::
 
     obj = parse_json_object("ckpt/metadata.json", raw, fix="the file is corrupt or was cut short")
+    num_ranks = expect_int(obj.get("num_ranks"), "ckpt/metadata.json: num_ranks", low=1)
 """
 
 from __future__ import annotations
 
 import json
+import math
+from typing import Any
 
+import numpy as np
+
+from shardkit import knobs
 from shardkit.errors import MetadataError
 
-__all__ = ["parse_json_object"]
+__all__ = ["parse_json_object", "json_depth", "expect_int", "expect_str", "expect_list", "expect_dict",
+           "short_repr"]
+
+_SCAN_CHUNK_BYTES = 1 << 20
+_DELTA = np.zeros(256, dtype=np.int8)
+_DELTA[[ord("["), ord("{")]] = 1
+_DELTA[[ord("]"), ord("}")]] = -1
 
 
-def parse_json_object(source: str, data: bytes, *, fix: str) -> dict:
-    """The JSON object in ``data``; ``MetadataError`` naming ``source`` and ``fix`` otherwise."""
+class _Refused(ValueError):
+    """A literal the limits refuse (raised inside the json hooks)."""
+
+
+def parse_json_object(source: str, data: bytes, *, fix: str, max_depth: int | None = None) -> dict:
+    """The JSON object in ``data``; ``MetadataError`` naming ``source`` and ``fix`` otherwise.
+
+    ``max_depth`` defaults to ``knobs.MAX_JSON_DEPTH``.
+    """
+    limit = knobs.MAX_JSON_DEPTH if max_depth is None else max_depth
+    depth = json_depth(data)
+    if depth > limit:
+        raise MetadataError(f"{source} nests arrays/objects {depth} deep; at most {limit} levels are "
+                            f"accepted (knobs.MAX_JSON_DEPTH); {fix}")
     try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MetadataError(f"{source} is not valid JSON ({e}); {fix}") from e
+        obj = json.loads(data.decode("utf-8"), parse_int=_parse_int, parse_float=_parse_float,
+                         parse_constant=_parse_constant)
+    except _Refused as e:
+        raise MetadataError(f"{source} holds {e}; {fix}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise MetadataError(f"{source} is not valid JSON ({str(e)[:200]}); {fix}") from e
     if not isinstance(obj, dict):
         raise MetadataError(f"{source} holds a JSON {type(obj).__name__}, expected an object; {fix}")
     return obj
+
+
+def json_depth(data: bytes) -> int:
+    """The deepest nesting of ``[``/``{`` outside strings in JSON text ``data`` (linear time, bounded memory).
+
+    Exact for valid JSON; for invalid JSON it may differ past the first error,
+    which the parser reports anyway.
+
+    >>> json_depth(b'{"a": [[1], "]]]"]}')
+    3
+    """
+    if b"\\" in data:  # drop escaped backslashes, then escaped quotes: no quote in a string survives
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    in_string, depth, deepest = 0, 0, 0
+    for start in range(0, len(data), _SCAN_CHUNK_BYTES):
+        chunk = np.frombuffer(data, np.uint8, min(_SCAN_CHUNK_BYTES, len(data) - start), start)
+        quotes = np.cumsum(chunk == ord('"'), dtype=np.int64)
+        outside = ((quotes + in_string) & 1) == 0
+        # A closing quote counts as inside, an opening one as outside: neither is a bracket anyway.
+        levels = depth + np.cumsum(_DELTA[chunk] * outside, dtype=np.int64)
+        if len(levels):
+            deepest = max(deepest, int(levels.max()))
+            depth = int(levels[-1])
+        in_string = (in_string + int(quotes[-1])) & 1 if len(quotes) else in_string
+    return deepest
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > knobs.MAX_JSON_NUMBER_CHARS:
+        raise _Refused(f"an integer of {len(text)} digits (at most {knobs.MAX_JSON_NUMBER_CHARS} "
+                       f"characters are accepted, knobs.MAX_JSON_NUMBER_CHARS)")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    if len(text) > knobs.MAX_JSON_NUMBER_CHARS:
+        raise _Refused(f"a number literal of {len(text)} characters (at most {knobs.MAX_JSON_NUMBER_CHARS})")
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Refused(f"the number {text[:40]}, which overflows a float; only finite numbers are accepted")
+    return value
+
+
+def _parse_constant(text: str) -> float:
+    raise _Refused(f"{text}, which is not JSON; only finite numbers are accepted")
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters (for messages about untrusted values)."""
+    text = repr(value) if not isinstance(value, (dict, list)) or len(value) < 8 else \
+        f"<a JSON {'object' if isinstance(value, dict) else 'array'} of {len(value)} items>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def expect_int(value: Any, what: str, *, low: int = 0, high: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) in ``low..high`` (default high: ``knobs.MAX_TENSOR_DIM``)."""
+    high = knobs.MAX_TENSOR_DIM if high is None else high
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise MetadataError(f"{what} is {short_repr(value)}, expected an integer in {low}..{high}")
+    return value
+
+
+def expect_str(value: Any, what: str, *, max_chars: int | None = None) -> str:
+    """``value`` if it is a str of at most ``max_chars`` (default ``knobs.MAX_NAME_CHARS``) characters."""
+    max_chars = knobs.MAX_NAME_CHARS if max_chars is None else max_chars
+    if not isinstance(value, str) or len(value) > max_chars:
+        raise MetadataError(f"{what} is {short_repr(value)}, expected a string of at most {max_chars} characters")
+    return value
+
+
+def expect_list(value: Any, what: str, *, max_items: int | None = None) -> list:
+    """``value`` if it is a JSON array of at most ``max_items`` items."""
+    if not isinstance(value, list) or (max_items is not None and len(value) > max_items):
+        limit = "" if max_items is None else f" of at most {max_items} items"
+        raise MetadataError(f"{what} is {short_repr(value)}, expected an array{limit}")
+    return value
+
+
+def expect_dict(value: Any, what: str) -> dict:
+    """``value`` if it is a JSON object."""
+    if not isinstance(value, dict):
+        raise MetadataError(f"{what} is {short_repr(value)}, expected an object")
+    return value

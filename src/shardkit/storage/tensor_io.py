@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import torch
+import xxhash
 
 from shardkit import knobs
 from shardkit.storage.backend import Reader
@@ -39,7 +40,11 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
     With ``record``, every checksum block that a read touches is verified
     (raising :class:`~shardkit.errors.ChecksumError`); a block that lies
     wholly inside one buffer is read straight into it and hashed there, so
-    verification adds hashing but no copy for large reads.
+    verification adds hashing but no copy for large reads. Other blocks
+    stream through one scratch buffer of at most ``knobs.IO_CHUNK_BYTES``,
+    whatever the recorded block size; one sweep over the blocks in file order
+    keeps the work linear in blocks + reads. On a mismatch, buffers may
+    already hold the block's unverified bytes.
     """
     reads = [(offset, buf.cast("B") if buf.format != "B" else buf) for offset, buf in reads if len(buf)]
     if record is None:
@@ -47,18 +52,33 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
             _read_chunked(reader, offset, buf)
         return
     _check_size(reader, record)
-    for block in sorted({b for offset, buf in reads for b in _blocks(offset, len(buf), record.block_bytes)}):
-        _read_block(reader, record, block, reads)
+    reads.sort(key=lambda r: r[0])
+    scratch: list[memoryview] = []  # allocated on first need, then reused
+    active: list[tuple[int, memoryview]] = []
+    next_read = 0
+    for block in _touched_blocks(reads, record.block_bytes):
+        start = block * record.block_bytes
+        stop = min(start + record.block_bytes, record.bytes)
+        while next_read < len(reads) and reads[next_read][0] < stop:
+            active.append(reads[next_read])
+            next_read += 1
+        active = [(off, buf) for off, buf in active if off + len(buf) > start]
+        _read_block(reader, record, block, start, stop, active, scratch)
+
+
+def _touched_blocks(reads: list[tuple[int, memoryview]], block_bytes: int):
+    """Indices of the blocks the (offset-sorted) reads touch, ascending, each once."""
+    last = -1
+    for offset, buf in reads:
+        for block in range(max(last + 1, offset // block_bytes), (offset + len(buf) - 1) // block_bytes + 1):
+            yield block
+            last = block
 
 
 def _read_chunked(reader: Reader, offset: int, buf: memoryview) -> None:
     step = knobs.IO_CHUNK_BYTES
     for start in range(0, len(buf), step):
         reader.read_into(offset + start, buf[start : start + step])
-
-
-def _blocks(offset: int, length: int, block_bytes: int) -> range:
-    return range(offset // block_bytes, (offset + length - 1) // block_bytes + 1)
 
 
 def _check_size(reader: Reader, record: FileRecord) -> None:
@@ -71,18 +91,31 @@ def _check_size(reader: Reader, record: FileRecord) -> None:
         )
 
 
-def _read_block(reader: Reader, record: FileRecord, block: int, reads: list[tuple[int, memoryview]]) -> None:
-    start = block * record.block_bytes
-    stop = min(start + record.block_bytes, record.bytes)
-    covering = [i for i, (off, buf) in enumerate(reads) if off <= start and stop <= off + len(buf)]
-    if covering:
-        off, buf = reads[covering[0]]
+def _read_block(reader: Reader, record: FileRecord, block: int, start: int, stop: int,
+                active: list[tuple[int, memoryview]], scratch: list[memoryview]) -> None:
+    covering = next((i for i, (off, buf) in enumerate(active) if off <= start and stop <= off + len(buf)), None)
+    if covering is not None:
+        off, buf = active[covering]
         source = buf[start - off : stop - off]
-    else:
-        source = memoryview(bytearray(stop - start))
-    reader.read_into(start, source)
-    record.verify_block(block, source, file_name=reader.name)
-    for i, (offset, buf) in enumerate(reads):
-        lo, hi = max(start, offset), min(stop, offset + len(buf))
-        if lo < hi and not (covering and i == covering[0]):
-            buf[lo - offset : hi - offset] = source[lo - start : hi - start]
+        reader.read_into(start, source)
+        record.verify_block(block, source, file_name=reader.name)
+        _copy_out(source, start, active, skip=covering)
+        return
+    if not scratch:
+        scratch.append(memoryview(bytearray(min(knobs.IO_CHUNK_BYTES, record.block_bytes, record.bytes))))
+    hasher = xxhash.xxh3_64()
+    for position in range(start, stop, len(scratch[0])):
+        source = scratch[0][: min(len(scratch[0]), stop - position)]
+        reader.read_into(position, source)
+        hasher.update(source)
+        _copy_out(source, position, active, skip=None)
+    record.verify_digest(block, hasher.hexdigest(), stop - start, file_name=reader.name)
+
+
+def _copy_out(source: memoryview, source_offset: int, active: list[tuple[int, memoryview]], skip: int | None) -> None:
+    """Copy the part of ``source`` (file bytes at ``source_offset``) that each active read wants."""
+    end = source_offset + len(source)
+    for i, (offset, buf) in enumerate(active):
+        lo, hi = max(source_offset, offset), min(end, offset + len(buf))
+        if lo < hi and i != skip:
+            buf[lo - offset : hi - offset] = source[lo - source_offset : hi - source_offset]

@@ -1,0 +1,201 @@
+"""Fuzzing of a distributed checkpoint's files: a typed shardkit error, or a correct load.
+
+Hypothesis mutates a valid two-rank checkpoint: ``metadata.json``, a rank
+manifest, or a safetensors header (its record refreshed so the parser, not the
+checksum, meets the damage) get a random JSON value at a random path (huge,
+negative, float, NaN/Infinity numbers, wrong types, nesting thousands deep), a
+deleted key, a truncation or a flipped byte; data files get flipped bytes or a
+truncation. Every reader then runs in a forked child (``hostile_helpers.guarded``)
+with a hang guard, and its peak resident memory growth (VmHWM after a reset
+through /proc/self/clear_refs) must stay within the files' size plus a fixed
+budget. Each reader must raise a shardkit error or return the right values.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hostile_helpers import (
+    guarded,
+    read_json,
+    read_safetensors,
+    refresh_record,
+    run_readers,
+    save_small,
+    untyped,
+    write_safetensors_raw,
+)
+
+BUDGET_BYTES = 64 << 20
+SETTINGS = settings(max_examples=int(os.environ.get("SHARDKIT_FUZZ_EXAMPLES", "40")), deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FULL_W = torch.arange(12.0).reshape(4, 3).tolist()
+
+_numbers = st.sampled_from([0, 1, -1, 2, 3, 7, 2**31, 2**50, 2**63, 2**64, -2**63, 10**39, 10**60,
+                            1.5, -0.0, 2.0, 1e300, float("inf"), float("-inf"), float("nan")])
+_leaves = st.none() | st.booleans() | st.integers(-4, 8) | _numbers | st.text(max_size=6) | \
+    st.sampled_from(["F32", "F64", "I64", "rank_0.safetensors", "../x.safetensors", "T", "O", "dict", "list"])
+_values = st.recursive(_leaves, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                       max_leaves=6)
+
+
+class _Deep:
+    """Stands for ``depth`` nested arrays; spliced in as text after json.dumps (which would recurse)."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+
+    def __repr__(self) -> str:
+        return f"_Deep({self.depth})"
+
+
+def _dumps(obj) -> bytes:
+    deep: list[int] = []
+
+    def default_walk(node):
+        if isinstance(node, _Deep):
+            deep.append(node.depth)
+            return f"__deep_{len(deep) - 1}__"
+        if isinstance(node, dict):
+            return {k: default_walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [default_walk(v) for v in node]
+        return node
+
+    text = json.dumps(default_walk(obj))
+    for i, depth in enumerate(deep):
+        text = text.replace(f'"__deep_{i}__"', "[" * depth + "0" + "]" * depth)
+    return text.encode()
+
+
+_replacements = _values | st.integers(150, 5000).map(_Deep)
+
+
+def _paths(node, path=()):
+    yield path
+    if isinstance(node, dict):
+        for key, child in node.items():
+            yield from _paths(child, path + (key,))
+    elif isinstance(node, list):
+        for i, child in enumerate(node):
+            yield from _paths(child, path + (i,))
+
+
+def _mutate_json(obj, data) -> bytes:
+    """``obj`` with one random mutation, as JSON text (NaN/Infinity written as Python's json does)."""
+    kind = data.draw(st.sampled_from(["replace", "replace", "replace", "delete", "truncate", "flip"]))
+    paths = list(_paths(obj))
+    if kind in ("replace", "delete"):
+        path = data.draw(st.sampled_from(paths))
+        if not path:
+            return _dumps(data.draw(_replacements))
+        parent = obj
+        for key in path[:-1]:
+            parent = parent[key]
+        if kind == "delete":
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = data.draw(_replacements)
+        return _dumps(obj)
+    text = json.dumps(obj).encode()
+    at = data.draw(st.integers(0, len(text) - 1))
+    if kind == "truncate":
+        return text[:at]
+    return text[:at] + bytes([text[at] ^ (1 << data.draw(st.integers(0, 7)))]) + text[at + 1:]
+
+
+def _check(directory):
+    size = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)
+               if os.path.isfile(os.path.join(directory, n)))
+    outcome = guarded(lambda: run_readers(directory), timeout_s=60)
+    assert not outcome.hung, "a reader hung"
+    assert outcome.error is None, outcome.message
+    assert untyped(outcome.value) == {}, untyped(outcome.value)
+    assert outcome.peak_growth_bytes <= size + BUDGET_BYTES, (outcome.peak_growth_bytes, size)
+    return outcome.value
+
+
+def _fresh(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("fuzz")
+    save_small(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    return _fresh(tmp_path_factory)
+
+
+def _copy(pristine, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("case")
+    for name in os.listdir(pristine):
+        with open(os.path.join(pristine, name), "rb") as src, open(os.path.join(directory, name), "wb") as dst:
+            dst.write(src.read())
+    return directory
+
+
+@SETTINGS
+@given(data=st.data())
+def test_fuzz_metadata_json(pristine, tmp_path_factory, data):
+    directory = _copy(pristine, tmp_path_factory)
+    obj = read_json(directory / "metadata.json")
+    (directory / "metadata.json").write_bytes(_mutate_json(obj, data))
+    results = _check(directory)
+    _values_right_when_loaded(directory, results)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_fuzz_rank_manifest(pristine, tmp_path_factory, data):
+    directory = _copy(pristine, tmp_path_factory)
+    obj = read_json(directory / "rank_1.json")
+    (directory / "rank_1.json").write_bytes(_mutate_json(obj, data))
+    results = _check(directory)
+    _values_right_when_loaded(directory, results)
+
+
+@SETTINGS
+@given(data=st.data(), rank=st.integers(0, 1))
+def test_fuzz_safetensors_header(pristine, tmp_path_factory, data, rank):
+    directory = _copy(pristine, tmp_path_factory)
+    path = directory / f"rank_{rank}.safetensors"
+    header, payload = read_safetensors(path)
+    write_safetensors_raw(path, _mutate_json(header, data), payload)
+    refresh_record(directory, rank)  # so the damage reaches the header parser, not just the checksum
+    results = _check(directory)
+    _values_right_when_loaded(directory, results)
+
+
+@SETTINGS
+@given(data=st.data(), name=st.sampled_from(["metadata.json", "rank_1.json", "rank_0.safetensors",
+                                             "rank_1.safetensors"]))
+def test_fuzz_bytes_of_any_file(pristine, tmp_path_factory, data, name):
+    directory = _copy(pristine, tmp_path_factory)
+    raw = (directory / name).read_bytes()
+    at = data.draw(st.integers(0, len(raw) - 1))
+    if data.draw(st.booleans()):
+        raw = raw[:at]
+    else:
+        raw = raw[:at] + bytes([raw[at] ^ (1 << data.draw(st.integers(0, 7)))]) + raw[at + 1:]
+    (directory / name).write_bytes(raw)
+    _check(directory)
+
+
+def _values_right_when_loaded(directory, results):
+    """A load that succeeded must give the saved values (the data bytes were never touched)."""
+    if results["load_consolidated"][0] is not None:
+        return
+    from shardkit.checkpoint import load_consolidated
+
+    outcome = guarded(lambda: load_consolidated(directory, verify=True), timeout_s=60)
+    if outcome.error is not None:
+        assert outcome.typed, outcome.message
+        return
+    state = outcome.value
+    w = state.get("model", {}).get("w") if isinstance(state.get("model"), dict) else state.get("model.w")
+    if w is not None and tuple(w.shape) == (4, 3):
+        assert w.tolist() == FULL_W
