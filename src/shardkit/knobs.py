@@ -29,6 +29,13 @@ MAX_SAFETENSORS_HEADER_BYTES: int = 100_000_000
 #: Largest index / metadata JSON file we agree to read.
 MAX_INDEX_BYTES: int = 10 * 1024 * 1024
 
+#: Limits on a Hugging Face shard index or metrics file read from disk (all
+#: far above any real model: the largest HF indexes hold ~10k names of <200
+#: characters). Past them the file is refused as corrupt or hostile.
+MAX_INDEX_TENSORS: int = 1_000_000
+MAX_TENSOR_NAME_CHARS: int = 4096
+MAX_METRICS: int = 10_000
+
 #: Threads used to read files in parallel inside one process.
 IO_THREADS: int = 4
 
