@@ -47,8 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits 2
+    if argv[:1] == ["bench"]:  # everything after it is the benchmarks' own (argparse's "..." drops options)
+        from shardkit.cli import bench
+
+        args = argparse.Namespace(command="bench", rest=argv[1:], run=bench.run)
+    else:
+        args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits 2
     try:
         code = int(args.run(args) or 0)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit

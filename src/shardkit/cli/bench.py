@@ -15,14 +15,14 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    workdir = _option(args.rest, "--workdir")
+    if workdir is not None and not os.path.isdir(workdir):
+        raise InputError(f"--workdir {workdir} is not an existing directory")
     try:
         from benchmarks.__main__ import main as bench_main
     except ImportError as e:
         raise InputError("the benchmarks ship with the source, not the wheel; run it from a checkout of "
                          "shardkit (its root on the current directory)") from e
-    workdir = _option(args.rest, "--workdir")
-    if workdir is not None and not os.path.isdir(workdir):
-        raise InputError(f"--workdir {workdir} is not an existing directory")
     return bench_main(args.rest)
 
 

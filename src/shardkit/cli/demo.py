@@ -16,10 +16,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from shardkit.demo import run_demo
-
     if args.path is not None:
         _check_target(args.path)
+    from shardkit.demo import run_demo  # imports torch: after the cheap checks
+
     return run_demo(args.path)
 
 

@@ -17,7 +17,6 @@ import json
 import math
 
 from shardkit.cli.target import HF, checkpoint_kind
-from shardkit.dtypes import NAME_TO_DTYPE
 
 
 def register(sub) -> None:
@@ -29,6 +28,8 @@ def register(sub) -> None:
 
 
 def _row(name: str, saved) -> dict:
+    from shardkit.dtypes import NAME_TO_DTYPE
+
     spec = saved.spec
     split = "replicated" if spec.shard_dim is None else f"dim {spec.shard_dim}: {list(spec.shard_sizes)}"
     itemsize = NAME_TO_DTYPE[saved.dtype].itemsize if saved.dtype in NAME_TO_DTYPE else None
@@ -53,8 +54,10 @@ def run(args) -> int:
 
 def _run_distributed(args) -> int:
     from shardkit.checkpoint import read_metadata
+    from shardkit.hf.untrusted import hostile_input
 
-    m = read_metadata(args.path)
+    with hostile_input(args.path, fix="the checkpoint is damaged; restore it or use an earlier one"):
+        m = read_metadata(args.path)
     rows = [_row(name, saved) for name, saved in sorted(m.tensors.items())]
     summary = {
         "path": args.path,

@@ -33,8 +33,10 @@ def problems_of(path: str) -> list[str]:
     """Every problem of the checkpoint at ``path`` (``[]``: complete and intact)."""
     if checkpoint_kind(path) == DISTRIBUTED:
         from shardkit.checkpoint import validate_distributed
+        from shardkit.hf.untrusted import hostile_input
 
-        return list(validate_distributed(path).problems)
+        with hostile_input(path, fix="the checkpoint is damaged; restore it or use an earlier one"):
+            return list(validate_distributed(path).problems)
     from shardkit.hf import checkpoint_problems
 
     return checkpoint_problems(path)
