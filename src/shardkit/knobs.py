@@ -58,6 +58,13 @@ MAX_NUM_RANKS: int = 1 << 20
 #: buffers of at most ``IO_CHUNK_BYTES`` whatever the block size.
 MAX_CHECKSUM_BLOCK_BYTES: int = 1 << 30
 
+#: Limits on a Hugging Face shard index or metrics file read from disk (names
+#: are bounded by ``MAX_NAME_CHARS``; all
+#: far above any real model: the largest HF indexes hold ~10k names of <200
+#: characters). Past them the file is refused as corrupt or hostile.
+MAX_INDEX_TENSORS: int = 1_000_000
+MAX_METRICS: int = 10_000
+
 #: Threads used to read files in parallel inside one process.
 IO_THREADS: int = 4
 

@@ -1,18 +1,32 @@
 """The ``shardkit`` command: inspect, validate, demo and bench.
 
 Each subcommand lives in its own module and registers itself in :func:`main`'s
-parser. Exit codes: 0 success, 1 the checked thing is bad (e.g. an incomplete
-checkpoint), 2 bad usage or input.
+parser. Errors never print a traceback: one line on stderr, and the exit code
+says what went wrong. Set ``SHARDKIT_DEBUG=1`` to get the traceback too.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 
+from shardkit.cli.target import InputError
 from shardkit.errors import ShardkitError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "EXIT_CODES"]
+
+EXIT_OK, EXIT_BAD_CHECKPOINT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+EXIT_BROKEN_PIPE, EXIT_INTERRUPTED = 141, 130  # as a shell reports SIGPIPE and SIGINT
+
+EXIT_CODES = """exit codes:
+  0  success (the checkpoint is complete and intact)
+  1  the checkpoint is bad: incomplete, corrupt, or it failed validation
+  2  bad usage or input: a missing path, not a checkpoint, an unreadable file
+  3  an internal error (a bug; set SHARDKIT_DEBUG=1 for the traceback and report it)
+
+Set SHARDKIT_DEBUG=1 to print the traceback of any error."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardkit",
         description="Distributed checkpoints that reshard, Hugging Face shards, and the tools around them.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -31,16 +47,66 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if argv[:1] == ["bench"]:  # everything after it is the benchmarks' own (argparse's "..." drops options)
+        from shardkit.cli import bench
+
+        args = argparse.Namespace(command="bench", rest=argv[1:], run=bench.run)
+    else:
+        args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits 2
     try:
-        return int(args.run(args) or 0)
-    except ShardkitError as e:
-        print(f"shardkit {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _silence_stdout()  # the reader (e.g. `| head`) has all it wanted: no message
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _fail(args, "interrupted", EXIT_INTERRUPTED)
+    except InputError as e:
+        return _fail(args, str(e), EXIT_USAGE)
+    except ShardkitError as e:
+        return _fail(args, str(e), EXIT_BAD_CHECKPOINT)
+    except OSError as e:  # the environment: permissions, a vanished file, a full disk
+        return _fail(args, f"{type(e).__name__}: {e}", EXIT_USAGE)
+    except Exception as e:  # noqa: BLE001 -- a bug: still one line, with the way to see more
+        hint = "" if _debug() else " (an internal error; set SHARDKIT_DEBUG=1 for the traceback, and report it)"
+        return _fail(args, f"{type(e).__name__}: {e}{hint}", EXIT_INTERNAL)
+
+
+def _fail(args, message: str, code: int) -> int:
+    if _debug():
+        traceback.print_exc()
+    one_line = " ".join(message.split())
+    try:
+        print(f"shardkit {args.command}: error: {one_line}", file=sys.stderr)
+    except (BrokenPipeError, OSError):
+        pass
+    _flush_quietly()
+    return code
+
+
+def _debug() -> bool:
+    return os.environ.get("SHARDKIT_DEBUG", "") not in ("", "0")
+
+
+def _flush_quietly() -> None:
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, OSError):
+        _silence_stdout()
+
+
+def _silence_stdout() -> None:
+    # Point stdout at /dev/null so the interpreter's final flush cannot raise
+    # (and print "Exception ignored ... BrokenPipeError") on the closed pipe.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import sys
+import os
+
+from shardkit.cli.target import InputError
 
 
 def register(sub) -> None:
@@ -13,10 +15,21 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    workdir = _option(args.rest, "--workdir")
+    if workdir is not None and not os.path.isdir(workdir):
+        raise InputError(f"--workdir {workdir} is not an existing directory")
     try:
         from benchmarks.__main__ import main as bench_main
-    except ImportError:
-        print("shardkit bench: the benchmarks ship with the source, not the wheel; run it from a "
-              "checkout of shardkit (its root on the current directory)", file=sys.stderr)
-        return 2
+    except ImportError as e:
+        raise InputError("the benchmarks ship with the source, not the wheel; run it from a checkout of "
+                         "shardkit (its root on the current directory)") from e
     return bench_main(args.rest)
+
+
+def _option(rest: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(rest):
+        if arg == flag and i + 1 < len(rest):
+            return rest[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None

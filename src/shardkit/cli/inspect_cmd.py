@@ -2,27 +2,34 @@
 
 For a distributed checkpoint (``metadata.json``): format and version, the
 saving world size, every tensor's dtype, full shape and how it is split, the
-data files and their sizes, the plain values and user metadata. ``--json``
-prints the same as JSON. Reads only the manifest; never the tensor bytes.
+data files and their sizes, the plain values and user metadata. For a Hugging
+Face checkpoint (``model.safetensors[.index.json]``, ``pytorch_model.bin[.index.json]``):
+every tensor's dtype, shape and file (from the safetensors headers), the files
+and the tied names. ``--json`` prints the same as JSON. Reads only manifests,
+indexes and headers; never the tensor bytes. Exit code 1 for a damaged or
+incomplete checkpoint, 2 when DIR is missing or not a checkpoint.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
-from shardkit.dtypes import NAME_TO_DTYPE
+from shardkit.cli.target import HF, checkpoint_kind
 
 
 def register(sub) -> None:
-    p = sub.add_parser("inspect", help="show what a checkpoint holds (reads only its manifest)",
-                       description=__doc__)
-    p.add_argument("path", help="a distributed checkpoint directory (with metadata.json)")
+    p = sub.add_parser("inspect", help="show what a checkpoint holds (reads only its manifest or headers)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="a checkpoint directory: distributed (metadata.json) or Hugging Face")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(run=run)
 
 
 def _row(name: str, saved) -> dict:
+    from shardkit.dtypes import NAME_TO_DTYPE
+
     spec = saved.spec
     split = "replicated" if spec.shard_dim is None else f"dim {spec.shard_dim}: {list(spec.shard_sizes)}"
     itemsize = NAME_TO_DTYPE[saved.dtype].itemsize if saved.dtype in NAME_TO_DTYPE else None
@@ -33,9 +40,24 @@ def _row(name: str, saved) -> dict:
 
 
 def run(args) -> int:
-    from shardkit.checkpoint import read_metadata
+    if checkpoint_kind(args.path) == HF:
+        from shardkit.cli.inspect_hf import hf_summary, print_hf_summary
 
-    m = read_metadata(args.path)
+        summary = hf_summary(args.path)
+        if args.json:
+            print(json.dumps(summary, indent=2, ensure_ascii=False))
+        else:
+            print_hf_summary(summary)
+        return 0
+    return _run_distributed(args)
+
+
+def _run_distributed(args) -> int:
+    from shardkit.checkpoint import read_metadata
+    from shardkit.hf.untrusted import hostile_input
+
+    with hostile_input(args.path, fix="the checkpoint is damaged; restore it or use an earlier one"):
+        m = read_metadata(args.path)
     rows = [_row(name, saved) for name, saved in sorted(m.tensors.items())]
     summary = {
         "path": args.path,

@@ -1,28 +1,59 @@
 """``shardkit validate DIR``: is this checkpoint complete and intact?
 
-Re-reads every data file and compares sizes and checksums with the manifest.
-Prints each problem on its own line; exit code 0 when the checkpoint is
-complete and intact, 1 otherwise. It never modifies the checkpoint.
+A distributed checkpoint (``metadata.json``): re-reads every data file and
+compares sizes and checksums with the manifest. A Hugging Face checkpoint
+(``model.safetensors[.index.json]``, ``pytorch_model.bin[.index.json]``):
+every file the index names is there, its header reads back, and its tensors
+fit the file. Prints the first problems (all with ``--all``; ``--json`` for
+``{"path", "ok", "problems"}``). Exit code 0 when complete and intact, 1 when
+not, 2 when DIR is missing or not a checkpoint. It never modifies the checkpoint.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+
+from shardkit.cli.target import DISTRIBUTED, checkpoint_kind
+
+#: Problems printed before "... and N more" without --all.
+SHOWN_PROBLEMS = 20
+
 
 def register(sub) -> None:
     p = sub.add_parser("validate", help="check that a checkpoint is complete and its bytes match their checksums",
-                       description=__doc__)
-    p.add_argument("path", help="a distributed checkpoint directory (with metadata.json)")
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="a checkpoint directory: distributed (metadata.json) or Hugging Face")
+    p.add_argument("--all", action="store_true", help=f"print every problem, not just the first {SHOWN_PROBLEMS}")
+    p.add_argument("--json", action="store_true", help='print {"path", "ok", "problems": [...]} as JSON')
     p.set_defaults(run=run)
 
 
-def run(args) -> int:
-    from shardkit.checkpoint import validate_distributed
+def problems_of(path: str) -> list[str]:
+    """Every problem of the checkpoint at ``path`` (``[]``: complete and intact)."""
+    if checkpoint_kind(path) == DISTRIBUTED:
+        from shardkit.checkpoint import validate_distributed
+        from shardkit.hf.untrusted import hostile_input
 
-    report = validate_distributed(args.path)
-    if report.ok:
+        with hostile_input(path, fix="the checkpoint is damaged; restore it or use an earlier one"):
+            return list(validate_distributed(path).problems)
+    from shardkit.hf import checkpoint_problems
+
+    return checkpoint_problems(path)
+
+
+def run(args) -> int:
+    problems = problems_of(args.path)
+    if args.json:
+        print(json.dumps({"path": args.path, "ok": not problems, "problems": problems}, indent=2, ensure_ascii=False))
+        return 0 if not problems else 1
+    if not problems:
         print(f"{args.path}: ok")
         return 0
-    print(f"{args.path}: {len(report.problems)} problem(s)")
-    for problem in report.problems:
-        print(f"  - {problem}")
+    print(f"{args.path}: {len(problems)} problem(s)")
+    shown = problems if args.all else problems[:SHOWN_PROBLEMS]
+    for problem in shown:
+        print(f"  - {' '.join(problem.split())}")
+    if len(shown) < len(problems):
+        print(f"  ... and {len(problems) - len(shown)} more (use --all or --json)")
     return 1

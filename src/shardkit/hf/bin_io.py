@@ -15,12 +15,13 @@ Example::
 from __future__ import annotations
 
 import io
-import pickle
+import os
 import zipfile
 
 import torch
 
 from shardkit.errors import MetadataError, MissingShardError
+from shardkit.hf.untrusted import PARSE_FAILURES, hostile_input, require_regular_file
 from shardkit.storage import LocalStorage, Storage
 
 __all__ = ["write_bin_shard", "read_bin_shard", "bin_looks_complete"]
@@ -46,16 +47,20 @@ def read_bin_shard(storage: Storage, path: str) -> dict[str, torch.Tensor]:
     Raises ``MetadataError`` for a file that is not a tensor dict or that
     holds anything the weights-only unpickler refuses.
     """
-    if not storage.exists(path):
-        raise MissingShardError(f"{path} does not exist; the checkpoint is incomplete or was moved")
+    require_regular_file(storage, path)
     if isinstance(storage, LocalStorage):
         source = path
+        size_bytes = os.path.getsize(path)
     else:
         with storage.open_reader(path) as reader:
             source = io.BytesIO(reader.read(0, reader.size_bytes))
+            size_bytes = reader.size_bytes
+    _check_zip_members(path, source, size_bytes)
     try:
         obj = torch.load(source, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ValueError) as e:
+    except (MemoryError, PermissionError):
+        raise
+    except Exception as e:  # noqa: BLE001 -- a damaged pickle/zip fails in many ways; all mean "refused"
         raise MetadataError(
             f"{path} was refused by torch.load(weights_only=True): it holds objects other than "
             f"tensors and plain containers (possibly code), or it is corrupt. shardkit never runs "
@@ -70,6 +75,31 @@ def read_bin_shard(storage: Storage, path: str) -> dict[str, torch.Tensor]:
     return obj
 
 
+def _check_zip_members(path: str, source, size_bytes: int) -> None:
+    """Refuse a zip ``.bin`` whose members are compressed or add up past the file: ``torch.save``
+    stores them uncompressed, so anything else could inflate far beyond the file (a zip bomb)."""
+    with hostile_input(path, fix="it is not a torch.save file; delete it or restore it"):
+        if not _is_zip(source):
+            return  # a legacy (pre-1.6) torch.save pickle: torch.load checks it
+        with zipfile.ZipFile(source) as z:
+            members = z.infolist()
+    packed = [m.filename for m in members if m.compress_type != zipfile.ZIP_STORED]
+    unpacked_bytes = sum(m.file_size for m in members)
+    if packed or unpacked_bytes > size_bytes:
+        raise MetadataError(
+            f"{path} is a zip whose members unpack to {unpacked_bytes:,} bytes from a {size_bytes:,}-byte "
+            f"file ({len(packed)} compressed, e.g. {packed[:2]}); torch.save never compresses, so this "
+            f"is not a file it wrote (possibly a zip bomb). Delete it or restore it."
+        )
+
+
+def _is_zip(source) -> bool:
+    if isinstance(source, io.BytesIO):
+        return source.getbuffer()[:2] == b"PK"
+    with open(source, "rb") as f:
+        return f.read(2) == b"PK"
+
+
 def bin_looks_complete(storage: Storage, path: str) -> bool:
     """True if ``path`` is a ``torch.save`` zip whose central directory reads back intact.
 
@@ -77,6 +107,7 @@ def bin_looks_complete(storage: Storage, path: str) -> bool:
     legacy (non-zip) ``.bin`` counts when it is not empty.
     """
     try:
+        require_regular_file(storage, path)
         with storage.open_reader(path) as reader:
             if reader.size_bytes == 0:
                 return False
@@ -85,5 +116,5 @@ def bin_looks_complete(storage: Storage, path: str) -> bool:
             source = path if isinstance(storage, LocalStorage) else io.BytesIO(reader.read(0, reader.size_bytes))
         with zipfile.ZipFile(source) as z:
             return len(z.namelist()) > 0
-    except (OSError, EOFError, zipfile.BadZipFile, MissingShardError):
+    except (OSError, MetadataError, MissingShardError, *PARSE_FAILURES):
         return False

@@ -38,6 +38,7 @@ from shardkit.hf.index import (
 )
 from shardkit.hf.save import _remove_previous
 from shardkit.hf.shard_io import shard_header
+from shardkit.hf.untrusted import hostile_input, non_regular_problems
 from shardkit.storage import LazyTensor, write_safetensors
 from shardkit.storage import LocalStorage, storage_for
 
@@ -72,7 +73,12 @@ def distributed_to_hf(
     """
     from shardkit.checkpoint import load_region, read_metadata
 
-    manifest = read_metadata(dist_dir)
+    store, root = storage_for(dist_dir)
+    not_files = non_regular_problems(store, root)
+    if not_files:
+        raise MetadataError(f"{dist_dir}: {not_files[0]}")
+    with hostile_input(dist_dir, fix="the distributed checkpoint is damaged; convert an earlier one"):
+        manifest = read_metadata(dist_dir)
     lazy: Dict[str, LazyTensor] = {}
     for name, saved in manifest.tensors.items():
         shape = tuple(saved.spec.full_shape)
@@ -148,6 +154,12 @@ def hf_to_distributed(
         path = store.join(root, file_name)
         state.update(_mapped_safetensors(store, path) if meta.safetensors else read_bin_shard(store, path))
     if weight_map is not None:
+        absent = [n for n in weight_map if n not in state]
+        if absent:
+            raise MetadataError(
+                f"the index in {hf_dir} places {len(absent)} tensor(s) in shards that lack them, e.g. "
+                f"{absent[:3]}; the index and shards do not match -- re-save or restore the checkpoint"
+            )
         state = {n: state[n] for n in weight_map}
     specs = getattr(shard_spec, "tensor_specs", None) or {}
     for rank in reversed(range(world_size)):  # rank 0 commits metadata.json; let it go last

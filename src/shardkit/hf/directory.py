@@ -18,13 +18,14 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from typing import List, Optional
 
-from shardkit.errors import MetadataError, MissingShardError
+from shardkit.errors import MetadataError, MissingShardError, ShardkitError
 from shardkit.hf.bin_io import bin_looks_complete
 from shardkit.hf.index import (
     BIN_INDEX_NAME,
@@ -34,7 +35,10 @@ from shardkit.hf.index import (
     load_shard_index,
 )
 from shardkit.hf.shard_io import shard_header
+from shardkit.hf.untrusted import PARSE_FAILURES, non_regular_problems, require_regular_file
 from shardkit.storage import storage_for
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointMeta",
@@ -101,27 +105,42 @@ def validate_checkpoint(checkpoint_path: str) -> bool:
 
 
 def checkpoint_problems(checkpoint_path: str) -> List[str]:
-    """Why ``checkpoint_path`` is not a complete checkpoint (``[]`` when it is)."""
+    """Why ``checkpoint_path`` is not a complete checkpoint (``[]`` when it is).
+
+    Never raises for what is on disk: a damaged or hostile file, a FIFO or a
+    directory where a file should be, even an unexpected failure while
+    checking, each becomes a line. Opens no file that is not a regular file.
+    """
     try:
-        if not os.path.isdir(checkpoint_path) and "://" not in checkpoint_path:
-            return [f"{checkpoint_path} is not a directory"]
-        meta = get_checkpoint_metadata(checkpoint_path)
-        if meta is None:
-            return [f"{checkpoint_path} has no index, weights file or metadata.json"]
-        if meta.distributed:
-            return _distributed_problems(checkpoint_path)
-        if not meta.is_index:
-            return _file_problems(checkpoint_path, meta.file_name, None, meta.safetensors)
-        index = load_shard_index(checkpoint_path, meta.file_name)
-        by_file: dict[str, list[str]] = {}
-        for name, file_name in index["weight_map"].items():
-            by_file.setdefault(file_name, []).append(name)
-        problems: List[str] = []
-        for file_name, names in by_file.items():
-            problems += _file_problems(checkpoint_path, file_name, names, meta.safetensors)
-        return problems
-    except (MetadataError, MissingShardError, OSError, ValueError) as e:
+        return _problems(checkpoint_path)
+    except (ShardkitError, OSError, *PARSE_FAILURES) as e:
         return [f"{checkpoint_path}: {e}"]
+    except Exception as e:  # noqa: BLE001 -- "never raises": a bug here must not stop a resume
+        return [f"{checkpoint_path}: unexpected {type(e).__name__} while checking it ({e})"]
+
+
+def _problems(checkpoint_path: str) -> List[str]:
+    if not os.path.isdir(checkpoint_path) and "://" not in checkpoint_path:
+        return [f"{checkpoint_path} is not a directory"]
+    meta = get_checkpoint_metadata(checkpoint_path)
+    if meta is None:
+        return [f"{checkpoint_path} has no index, weights file or metadata.json"]
+    store, root = storage_for(checkpoint_path)
+    not_files = non_regular_problems(store, root)
+    if not_files:
+        return not_files
+    if meta.distributed:
+        return _distributed_problems(checkpoint_path)
+    if not meta.is_index:
+        return _file_problems(checkpoint_path, meta.file_name, None, meta.safetensors)
+    index = load_shard_index(checkpoint_path, meta.file_name)
+    by_file: dict[str, list[str]] = {}
+    for name, file_name in index["weight_map"].items():
+        by_file.setdefault(file_name, []).append(name)
+    problems: List[str] = []
+    for file_name, names in by_file.items():
+        problems += _file_problems(checkpoint_path, file_name, names, meta.safetensors)
+    return problems
 
 
 def _file_problems(root: str, file_name: str, names: Optional[list], safetensors: bool) -> List[str]:
@@ -129,9 +148,16 @@ def _file_problems(root: str, file_name: str, names: Optional[list], safetensors
     path = store.join(base, file_name)
     if not store.exists(path):
         return [f"{path} is missing"]
+    try:
+        require_regular_file(store, path)
+    except (MetadataError, MissingShardError) as e:
+        return [str(e)]
     if not safetensors:
         return [] if bin_looks_complete(store, path) else [f"{path} is truncated or not a torch.save file"]
-    header = shard_header(store, path)
+    try:
+        header = shard_header(store, path)
+    except (MetadataError, MissingShardError) as e:
+        return [str(e)]
     data_end = max((t.end for t in header.tensors.values()), default=header.data_start)
     problems = []
     if store.size_bytes(path) != data_end:
@@ -159,7 +185,10 @@ def _checkpoint_id(path: str) -> Optional[int]:
 def _commit_time(path: str) -> float:
     meta = get_checkpoint_metadata(path)
     target = os.path.join(path, meta.file_name) if meta else path
-    return os.path.getmtime(target)
+    try:
+        return os.path.getmtime(target)
+    except OSError:  # deleted since it was checked: order it first, it goes no further
+        return 0.0
 
 
 def list_checkpoints(model_dir: str) -> List[str]:
@@ -167,14 +196,27 @@ def list_checkpoints(model_dir: str) -> List[str]:
 
     Ordered by numeric id (``checkpoint-<id>``) where there is one; those
     without an id come first, by index modification time. Incomplete ones
-    (a save that never finished) are not listed.
+    (a save that never finished) and broken ones are not listed; this never
+    raises for what a checkpoint directory holds.
     """
+    return _scan(model_dir)[0]
+
+
+def _scan(model_dir: str) -> tuple[List[str], dict[str, List[str]]]:
+    """(complete checkpoints, oldest first; {skipped directory: its problems})."""
     parent = os.path.join(model_dir, CHECKPOINTS_DIR)
     if not os.path.isdir(parent):
-        return []
-    paths = [os.path.join(parent, n) for n in sorted(os.listdir(parent))]
-    valid = [p for p in paths if os.path.isdir(p) and validate_checkpoint(p)]
-    return sorted(valid, key=_order_key)
+        return [], {}
+    valid, skipped = [], {}
+    for path in (os.path.join(parent, n) for n in sorted(os.listdir(parent))):
+        if not os.path.isdir(path):
+            continue
+        problems = checkpoint_problems(path)
+        if problems:
+            skipped[path] = problems
+        else:
+            valid.append(path)
+    return sorted(valid, key=_order_key), skipped
 
 
 def _order_key(path: str) -> tuple:
@@ -185,9 +227,15 @@ def _order_key(path: str) -> tuple:
 def find_latest_checkpoint(model_dir: str) -> Optional[str]:
     """The newest complete checkpoint under ``model_dir/checkpoints``, or None.
 
-    A checkpoint whose save was interrupted is never returned.
+    A checkpoint whose save was interrupted, or that is damaged, is never
+    returned: it is skipped with a ``logging`` warning that says why, and an
+    older complete one is returned instead. Never raises for what a
+    checkpoint directory holds.
     """
-    found = list_checkpoints(model_dir)
+    found, skipped = _scan(model_dir)
+    for path, problems in skipped.items():
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        log.warning("find_latest_checkpoint: skipping %s: %s%s", path, problems[0], more)
     return found[-1] if found else None
 
 

@@ -26,7 +26,8 @@ from torch.nn import Module
 from shardkit import knobs
 from shardkit.errors import MetadataError
 from shardkit.hf.sharing import alias_to_source, find_shared_groups
-from shardkit.storage import check_relative_name, parse_json_object, storage_for
+from shardkit.hf.untrusted import check_limits, read_json_file
+from shardkit.storage import check_relative_name, storage_for
 
 __all__ = [
     "StateDictLike",
@@ -248,14 +249,14 @@ def load_shard_index(output_dir: str, index_name: str) -> ShardIndex:
     Refuses (``MetadataError``) an index over ``knobs.MAX_INDEX_BYTES``, one
     that is not JSON of the expected shape, and any file name that is
     absolute, has a ``..`` part or the wrong extension -- before any shard is
-    opened. Does not open the shards.
+    opened. A path that is not a regular file (a FIFO, a directory) is
+    refused without opening it. Does not open the shards.
     """
     check_relative_name(index_name, (".index.json",), source="index file name")
     store, root = storage_for(output_dir)
     path = store.join(root, index_name)
-    raw = store.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES)
-    index = parse_json_object(path, raw, fix='a shard index is {"metadata": {...}, "weight_map": {name: file}}; '
-                                              "re-save the checkpoint")
+    index = read_json_file(store, path, fix='a shard index is {"metadata": {...}, "weight_map": {name: file}}; '
+                                            "re-save the checkpoint")
     check_index(index, index_name, source=path)
     return index
 
@@ -263,18 +264,23 @@ def load_shard_index(output_dir: str, index_name: str) -> ShardIndex:
 def check_index(index: object, index_name: str, *, source: str = "index", suffixes: tuple = ()) -> None:
     """Raise ``MetadataError`` unless ``index`` has the shape of a shard index with safe file names."""
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        found = type(index.get("weight_map")).__name__ if isinstance(index, dict) else type(index).__name__
         raise MetadataError(
-            f"{source}: expected an object with a 'weight_map' object, found "
-            f"{type(index).__name__} with keys {sorted(index)[:5] if isinstance(index, dict) else '-'}"
+            f"{source}: expected an object with a 'weight_map' object (name -> file), found {found} "
+            f"(keys {[str(k)[:40] for k in list(index)[:5]] if isinstance(index, dict) else '-'}); "
+            f"the index is corrupt or not a shard index"
         )
     meta = index.get("metadata", {})
     if not isinstance(meta, dict):
         raise MetadataError(f"{source}: 'metadata' must be an object, found {type(meta).__name__}")
     suffixes = suffixes or suffix_for(".safetensors" in index_name)
-    for name, file_name in index["weight_map"].items():
+    weight_map = index["weight_map"]
+    check_limits(source, "weight_map entries", weight_map, max_count=knobs.MAX_INDEX_TENSORS)
+    for name, file_name in weight_map.items():
         if not isinstance(name, str):
             raise MetadataError(f"{source}: weight_map key {name!r} is not a string")
         check_relative_name(file_name, suffixes, source=source)
+    check_limits(source, "shard files", set(weight_map.values()), max_count=knobs.MAX_INDEX_TENSORS)
     _check_sharing(meta.get("param_sharing", []), source)
 
 
@@ -287,6 +293,7 @@ def _check_sharing(groups: object, source: str) -> None:
             f"{source}: metadata.param_sharing must be a list of groups of two or more names, "
             f"found {str(groups)[:200]}"
         )
+    check_limits(source, "param_sharing names", [n for g in groups for n in g], max_count=knobs.MAX_INDEX_TENSORS)
 
 
 def files_to_names(weight_map: Dict[str, str], names) -> dict[str, list[str]]:

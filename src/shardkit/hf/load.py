@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from shardkit.dtypes import from_safetensors_name
-from shardkit.errors import MissingShardError, TensorMismatchError
+from shardkit.errors import MetadataError, MissingShardError, TensorMismatchError
 from shardkit.hf.bin_io import read_bin_shard
 from shardkit.hf.index import (
     ShardIndex,
@@ -34,6 +34,7 @@ from shardkit.hf.index import (
 )
 from shardkit.hf.shard_io import map_shard, read_shard, shard_header
 from shardkit.hf.sharing import create_sharing_metadata, retie_parameters
+from shardkit.hf.untrusted import hostile_input, non_regular_problems
 from shardkit.storage import storage_for
 
 __all__ = ["load_checkpoint", "load_sharded_checkpoint"]
@@ -75,7 +76,14 @@ def load_checkpoint(
             f"or find a complete checkpoint with find_latest_checkpoint()."
         )
     if meta.distributed:
-        return _load_distributed(model_dir, module, device, strict, assign, keys)
+        store, root = storage_for(model_dir)
+        not_files = non_regular_problems(store, root)
+        if not_files:
+            raise MetadataError(f"{model_dir}: {not_files[0]}")
+        # The distributed reader is hardened on its own side; anything it still
+        # lets through as a builtin error is typed here.
+        with hostile_input(model_dir, fix="the distributed checkpoint is damaged; load an earlier one"):
+            return _load_distributed(model_dir, module, device, strict, assign, keys)
     if meta.is_index:
         index = load_shard_index(model_dir, meta.file_name)
     else:
@@ -243,9 +251,20 @@ def _load_module(model_dir, shard_index, aliases, module, device, safetensors, s
     with torch.no_grad():
         loaded = _read_files(model_dir, weight_map, list(own_to_stored.values()), safetensors, debug, targets, mmap)
         _install(module, own, {name: loaded[stored] for name, stored in own_to_stored.items()}, device, assign)
-    retie_parameters(module, sharing_of(shard_index))
+    _retie_from_index(module, model_dir, sharing_of(shard_index))
     retie_parameters(module, _loaded_first(own_ties, set(own_to_stored)))
     return missing
+
+
+def _retie_from_index(module, model_dir, groups) -> None:
+    """Tie what the index says is shared; a group this module cannot tie means a corrupt or foreign index."""
+    try:
+        retie_parameters(module, groups)
+    except (TypeError, KeyError, AttributeError) as e:  # e.g. a group tying a buffer to a parameter
+        raise TensorMismatchError(
+            f"the index in {model_dir} ties {str(groups)[:200]}, which this module cannot tie ({e}); "
+            f"the index is corrupt or for a different model"
+        ) from e
 
 
 def _own_to_stored(own, weight_map, aliases) -> Dict[str, str]:

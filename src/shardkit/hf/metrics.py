@@ -17,7 +17,8 @@ from typing import Dict, Optional
 
 from shardkit import knobs
 from shardkit.errors import MetadataError
-from shardkit.storage import parse_json_object, storage_for
+from shardkit.hf.untrusted import check_limits, hostile_input, read_json_file
+from shardkit.storage import storage_for
 
 __all__ = ["METRICS_FILE_NAME", "save_checkpoint_metrics", "load_checkpoint_metrics"]
 
@@ -48,11 +49,24 @@ def _is_number(v) -> bool:
 
 
 def load_checkpoint_metrics(checkpoint_path: str) -> Optional[Dict[str, float]]:
-    """The metrics saved with ``checkpoint_path``, or None if there are none."""
+    """The metrics saved with ``checkpoint_path``, or None if there are none.
+
+    A file that is not a regular file, not a JSON object of name -> number
+    (NaN and booleans are not numbers here), or over the limits
+    (``knobs.MAX_INDEX_BYTES``, ``knobs.MAX_METRICS``) raises ``MetadataError``.
+    """
     store, root = storage_for(checkpoint_path)
     path = store.join(root, METRICS_FILE_NAME)
     if not store.exists(path):
         return None
-    raw = store.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES)
-    return parse_json_object(path, raw, fix="it should map metric names to numbers; delete it or save the "
-                                            "metrics again")
+    fix = "it should map metric names to numbers; delete it or save the metrics again"
+    metrics = read_json_file(store, path, fix=fix)
+    check_limits(path, "metrics", metrics, max_count=knobs.MAX_METRICS)
+    with hostile_input(path, fix=fix):
+        bad = [k for k, v in metrics.items() if not _is_number(v)]
+    if bad:
+        raise MetadataError(
+            f"{path}: metric {bad[0][:80]!r} is {str(metrics[bad[0]])[:80]!r} "
+            f"({type(metrics[bad[0]]).__name__}), not a number ({len(bad)} such); {fix}"
+        )
+    return metrics

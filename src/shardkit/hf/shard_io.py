@@ -19,14 +19,31 @@ import torch
 from shardkit import knobs
 from shardkit.dtypes import from_safetensors_name, itemsize_bytes, to_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
+from shardkit.hf.untrusted import hostile_input, require_regular_file
 from shardkit.storage import Storage, byte_view, read_header, read_ranges, run_parallel
 
 __all__ = ["map_shard", "read_shard", "read_shard_into", "shard_header"]
 
 
+_FIX = "the shard is corrupt, truncated or not safetensors; restore it or load an earlier checkpoint"
+
+
 def shard_header(storage: Storage, path: str):
-    """The checked header of the safetensors file at ``path``."""
+    """The checked header of the safetensors file at ``path``.
+
+    ``MissingShardError`` if it is absent; ``MetadataError`` if it is not a
+    regular file (checked before opening: a FIFO would block) or its header
+    is malformed.
+    """
+    require_regular_file(storage, path)
     with storage.open_reader(path) as reader:
+        return _checked_header(reader, path)
+
+
+def _checked_header(reader, path: str):
+    # read_header types what it checks; a value of an unexpected JSON type can
+    # still slip past it as a TypeError (e.g. a list as dtype), typed here.
+    with hostile_input(path, fix=_FIX):
         return read_header(reader)
 
 
@@ -45,8 +62,9 @@ def read_shard(storage: Storage, path: str, names: list[str], buffer_for) -> dic
 
     Opens the file once: header checked, then the tensors' bytes only.
     """
+    require_regular_file(storage, path)
     with storage.open_reader(path) as reader:
-        header = read_header(reader)
+        header = _checked_header(reader, path)
         buffers, reads = {}, []
         for name in names:
             entry = _entry(header, path, name)
@@ -69,6 +87,7 @@ def map_shard(storage: Storage, path: str, names: list[str]) -> dict[str, torch.
     while the tensors live (shardkit and transformers replace files whole);
     returns None for storage that cannot map (remote URLs).
     """
+    require_regular_file(storage, path)
     mapping = storage.map_private(path)
     if mapping is None:
         return None

@@ -1,0 +1,96 @@
+"""What a CLI path argument points at, checked before anything is opened.
+
+``checkpoint_kind(path)`` says whether ``path`` is a distributed checkpoint
+(``metadata.json``, or rank files of a save that never finished) or a Hugging
+Face one (an index or a single weights file), and raises :class:`InputError`
+(exit code 2) for a missing path, a file, a directory that holds no
+checkpoint at all, or a checkpoint file that is not a regular file (a FIFO
+would block the reader forever). It reads no file contents.
+
+Example::
+
+    kind = checkpoint_kind("ckpt/step-100")      # "distributed" or "hf"
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+__all__ = ["InputError", "checkpoint_kind", "DISTRIBUTED", "HF"]
+
+DISTRIBUTED = "distributed"
+HF = "hf"
+
+
+class InputError(Exception):
+    """Bad usage or input: the path is missing, unreadable, or not a checkpoint (exit code 2)."""
+
+
+#: The files that make a directory a checkpoint (``shardkit.hf.directory`` looks for the same).
+_HF_NAMES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
+_DISTRIBUTED_NAME = "metadata.json"
+#: Entries a reader would open: each must be a regular file.
+_READ_SUFFIXES = (".json", ".safetensors", ".bin")
+
+
+def checkpoint_kind(path: str) -> str:
+    """``"distributed"`` or ``"hf"`` for the checkpoint directory ``path``; ``InputError`` otherwise.
+
+    Local checks use only ``os`` calls (no torch import), so bad input fails fast.
+    """
+    if "://" in path and not path.startswith("file://"):
+        return HF if _remote_is_hf(path) else DISTRIBUTED
+    local = path[len("file://"):] if path.startswith("file://") else path
+    if not os.path.exists(local):
+        raise InputError(f"{path} does not exist; pass a checkpoint directory")
+    if not os.path.isdir(local):
+        raise InputError(f"{path} is not a directory; pass the checkpoint directory, not a file in it")
+    try:
+        names = set(os.listdir(local))
+    except OSError as e:
+        raise InputError(f"{path} cannot be listed ({e.strerror})") from e
+    _require_regular_files(local, sorted(n for n in names if n.endswith(_READ_SUFFIXES)))
+    if _DISTRIBUTED_NAME in names:
+        return DISTRIBUTED
+    if names.intersection(_HF_NAMES):
+        return HF
+    if any(n.startswith("rank_") for n in names):
+        return DISTRIBUTED  # rank files without metadata.json: a save that never finished
+    raise InputError(
+        f"{path} is not a checkpoint: it has no metadata.json (distributed), "
+        f"model.safetensors[.index.json] or pytorch_model.bin[.index.json] (Hugging Face)"
+    )
+
+
+def _require_regular_files(directory: str, names: list[str]) -> None:
+    bad = []
+    for name in names:
+        try:
+            mode = os.stat(os.path.join(directory, name)).st_mode
+        except OSError as e:
+            bad.append(f"{name} ({e.strerror})")
+            continue
+        if not stat.S_ISREG(mode):
+            bad.append(f"{name} ({_kind(mode)})")
+    if bad:
+        raise InputError(
+            f"{directory} holds {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} that cannot be read as a "
+            f"checkpoint file: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; a checkpoint holds only "
+            f"regular files (a FIFO would block the reader forever). Remove or restore them."
+        )
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _remote_is_hf(path: str) -> bool:
+    from shardkit.hf.directory import get_checkpoint_metadata
+
+    meta = get_checkpoint_metadata(path)
+    return meta is not None and not meta.distributed
