@@ -33,6 +33,7 @@ __all__ = [
     "CommAbortedError",
     "CommArgumentError",
     "CheckpointExistsError",
+    "AsyncWaitTimeout",
 ]
 
 
@@ -94,3 +95,11 @@ class CommArgumentError(CommError, ValueError):
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """Something is already where a checkpoint file or link would go, and overwriting was not asked for."""
+
+
+class AsyncWaitTimeout(CheckpointError, TimeoutError):
+    """``CheckpointFuture.wait(timeout)`` ran out of time; the save is still running.
+
+    Not an :class:`AsyncCheckpointError`: nothing failed. The future stays
+    valid; call ``wait()`` again.
+    """

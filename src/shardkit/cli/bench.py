@@ -1,22 +1,28 @@
-"""``shardkit bench``: the side-by-side benchmarks (``python -m benchmarks``), from a checkout."""
+"""``shardkit bench``: the side-by-side benchmarks (:mod:`shardkit.bench`), from an installed package.
+
+Times shardkit against the tools a user would otherwise pick (torch.save,
+safetensors, DCP, ...) and prints one table: median, min and max of
+``--reps`` runs, GB/s, peak memory, and each peer's time over shardkit's.
+Exit code 0 when every suite ran, 1 when one failed, 2 for bad usage.
+
+Example::
+
+    shardkit bench --size 2GiB --reps 3 --only save,load --json rows.json
+"""
 
 from __future__ import annotations
 
-import sys
-
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="run the side-by-side benchmarks (from a source checkout)",
-                       description=__doc__, add_help=False)
-    p.add_argument("rest", nargs="...", help="arguments for python -m benchmarks (try --help)")
-    p.set_defaults(run=run)
+    from shardkit.bench.runner import add_arguments
+
+    p = sub.add_parser("bench", help="run the side-by-side benchmarks (save, load, reshard, HF, comm, DDP)",
+                       description="Time shardkit side by side with torch.save, safetensors and DCP; print one table.")
+    add_arguments(p)
+    p.set_defaults(run=run, _bench_error=p.error)
 
 
 def run(args) -> int:
-    try:
-        from benchmarks.__main__ import main as bench_main
-    except ImportError:
-        print("shardkit bench: the benchmarks ship with the source, not the wheel; run it from a "
-              "checkout of shardkit (its root on the current directory)", file=sys.stderr)
-        return 2
-    return bench_main(args.rest)
+    from shardkit.bench.runner import run as run_benchmarks
+
+    return run_benchmarks(args, args._bench_error)
