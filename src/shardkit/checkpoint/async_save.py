@@ -67,7 +67,7 @@ import time
 import torch
 
 from shardkit.checkpoint.staging import stage
-from shardkit.errors import AsyncCheckpointError, AsyncWaitTimeout, CheckpointError
+from shardkit.errors import AsyncCheckpointError, AsyncWaitTimeout
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]
 
