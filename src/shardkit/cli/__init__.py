@@ -17,7 +17,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     from shardkit import __version__
-    from shardkit.cli import bench, demo, inspect_cmd, validate
+    from shardkit.cli import bench, convert, demo, diff, inspect_cmd, reshard, validate
 
     parser = argparse.ArgumentParser(
         prog="shardkit",
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (inspect_cmd, validate, demo, bench):
+    for module in (inspect_cmd, validate, diff, reshard, convert, demo, bench):
         module.register(sub)
     return parser
 
