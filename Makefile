@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench docs clean
 
 $(STAMP): pyproject.toml setup.py src/shardkit/_stream_copy.c requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(ARGS)
+
+# The API reference, from the docstrings (pdoc): docs/api/index.html. A broken docstring fails the build.
+docs: $(STAMP)
+	$(PY) -m pdoc --docformat restructuredtext -o docs/api shardkit '!shardkit.bench'
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info src/shardkit/*.so .pytest_cache .hypothesis

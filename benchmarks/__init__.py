@@ -1,1 +1,1 @@
-"""Side-by-side benchmarks (see ../shared/design/BENCHMARKS.md). Run: ``python -m benchmarks``."""
+"""A shim: the benchmarks live in :mod:`shardkit.bench` (shipped with the package). Run ``python -m benchmarks``."""

@@ -1,95 +1,10 @@
-"""``python -m benchmarks``: shardkit side by side with the tools a user would otherwise pick.
+"""``python -m benchmarks`` from a checkout: a shim for ``python -m shardkit.bench`` (the code lives in the package)."""
 
-Prints one table (median, min, max of ``--reps`` runs; GB/s; peak memory; and
-for every peer the ratio of its time to shardkit's, > 1 meaning shardkit is
-faster). ``--json FILE`` also writes the rows. See BENCHMARKS.md.
-"""
-
-from __future__ import annotations
-
-import argparse
-import os
-import platform
 import sys
-import tempfile
-import traceback
 
-SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
+from shardkit.bench.runner import main
 
-
-def _parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().rstrip("ib")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
-def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
-    if name in ("save", "load", "async"):
-        from benchmarks.checkpoint_bench import run_checkpoint_benchmarks
-
-        return run_checkpoint_benchmarks(size, reps, workdir, cases=(name,))
-    if name == "multirank":
-        from benchmarks.multirank_bench import run_multirank_benchmarks
-
-        return run_multirank_benchmarks(size, reps, workdir)
-    if name == "comm":
-        from benchmarks.comm_bench import run_comm_benchmarks
-
-        return run_comm_benchmarks(reps=reps)
-    if name == "ddp":
-        from benchmarks.ddp_bench import run_ddp_benchmarks
-
-        return run_ddp_benchmarks(reps=reps)
-    from benchmarks.hf_bench import run_hf_benchmarks
-
-    return run_hf_benchmarks(size, reps, workdir)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="1GiB", help="state size, e.g. 64MiB, 2GiB (default 1GiB)")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions per figure (default 3, min 1)")
-    parser.add_argument("--only", default=",".join(SUITES), help=f"comma-separated subset of {','.join(SUITES)}")
-    parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
-    parser.add_argument("--json", dest="json_path", default=None, help="also write the rows to this JSON file")
-    args = parser.parse_args(argv)
-
-    from benchmarks.common import format_table, write_json
-
-    size = _parse_size(args.size)
-    suites = [s for s in args.only.split(",") if s]
-    unknown = set(suites) - set(SUITES)
-    if unknown:
-        parser.error(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)}")
-    from shardkit.storage.memcopy import copy_kind
-
-    context = {"size_bytes": size, "reps": args.reps, "machine": platform.platform(),
-               "cpus": os.cpu_count(), "python": platform.python_version(), "staging_copy": copy_kind()}
-    rows: list[dict] = []
-    failed: list[str] = []
-    with tempfile.TemporaryDirectory(dir=args.workdir, prefix="shardkit-bench-") as workdir:
-        for suite in suites:
-            print(f"running {suite} ...", file=sys.stderr, flush=True)
-            try:
-                suite_rows = _run_suite(suite, size, args.reps, workdir)
-            except Exception:  # noqa: BLE001 - one broken suite must not cost the others' figures
-                traceback.print_exc()
-                print(f"suite {suite} failed; going on with the others", file=sys.stderr, flush=True)
-                failed.append(suite)
-                continue
-            rows += suite_rows
-            print(format_table(suite_rows), file=sys.stderr, flush=True)  # progress, kept if a later suite dies
-            if args.json_path:
-                write_json(rows, args.json_path, **context, failed_suites=failed)
-    print(f"shardkit benchmarks — state {args.size}, {args.reps} reps, {os.cpu_count()} CPUs, "
-          f"{platform.machine()}, staging copies: {copy_kind()}")
-    print(format_table(rows))
-    if failed:
-        print(f"failed suites: {', '.join(failed)} (tracebacks above)")
-    return 1 if failed else 0
-
+__all__ = ["main"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m benchmarks"))

@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointBusyError",
     "CheckpointIOError",
     "AsyncCheckpointIOError",
+    "AsyncWaitTimeout",
 ]
 
 
@@ -137,3 +138,11 @@ class CheckpointIOError(CheckpointError, OSError):
 class AsyncCheckpointIOError(AsyncCheckpointError, CheckpointIOError):
     """A background save failed with a :class:`CheckpointIOError`: ``except AsyncCheckpointError``,
     ``except CheckpointIOError`` and ``except OSError`` all catch it, with the same ``errno``."""
+
+
+class AsyncWaitTimeout(CheckpointError, TimeoutError):
+    """``CheckpointFuture.wait(timeout)`` ran out of time; the save is still running.
+
+    Not an :class:`AsyncCheckpointError`: nothing failed. The future stays
+    valid; call ``wait()`` again.
+    """

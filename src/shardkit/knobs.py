@@ -126,3 +126,7 @@ COMM_TIMEOUT_SLACK_S: float = 2.0
 #: CommArgumentError at once instead of a backend error or a timeout. Costs
 #: one extra small all_gather per call: meant for debugging and tests.
 COMM_CHECK_ARGS: bool = False
+
+#: Largest DCP ``.metadata`` file shardkit agrees to read (it grows with the
+#: number of saved chunks: a large sharded model has tens of MiB).
+DCP_MAX_METADATA_BYTES: int = 512 * 1024 * 1024

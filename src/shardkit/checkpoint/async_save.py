@@ -78,19 +78,11 @@ import time
 import torch
 
 from shardkit.checkpoint.staging import stage
-from shardkit.errors import AsyncCheckpointError, AsyncCheckpointIOError, CheckpointError, CheckpointIOError
+from shardkit.errors import AsyncCheckpointError, AsyncCheckpointIOError, AsyncWaitTimeout, CheckpointIOError
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]
 
 _WITHDRAWN = object()  # handed to the writer thread instead of a state when staging failed
-
-
-class AsyncWaitTimeout(CheckpointError, TimeoutError):
-    """``CheckpointFuture.wait(timeout)`` ran out of time; the save is still running.
-
-    Not an :class:`~shardkit.errors.AsyncCheckpointError`: nothing failed. The
-    future stays valid; call ``wait()`` again.
-    """
 
 
 def _save_staged(staged, dir, rank, world_size, shard_spec, group, *, overwrite: bool) -> None:

@@ -31,7 +31,7 @@ Set SHARDKIT_DEBUG=1 to print the traceback of any error."""
 
 def build_parser() -> argparse.ArgumentParser:
     from shardkit import __version__
-    from shardkit.cli import bench, demo, inspect_cmd, validate
+    from shardkit.cli import bench, convert, demo, diff, inspect_cmd, reshard, validate
 
     parser = argparse.ArgumentParser(
         prog="shardkit",
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"shardkit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (inspect_cmd, validate, demo, bench):
+    for module in (inspect_cmd, validate, diff, reshard, convert, demo, bench):
         module.register(sub)
     return parser
 
@@ -49,12 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    if argv[:1] == ["bench"]:  # everything after it is the benchmarks' own (argparse's "..." drops options)
-        from shardkit.cli import bench
-
-        args = argparse.Namespace(command="bench", rest=argv[1:], run=bench.run)
-    else:
-        args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits 2
+    args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits 2
     try:
         code = int(args.run(args) or 0)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit

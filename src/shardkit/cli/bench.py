@@ -1,4 +1,14 @@
-"""``shardkit bench``: the side-by-side benchmarks (``python -m benchmarks``), from a checkout."""
+"""``shardkit bench``: the side-by-side benchmarks (:mod:`shardkit.bench`), from an installed package.
+
+Times shardkit against the tools a user would otherwise pick (torch.save,
+safetensors, DCP, ...) and prints one table: median, min and max of
+``--reps`` runs, GB/s, peak memory, and each peer's time over shardkit's.
+Exit code 0 when every suite ran, 1 when one failed, 2 for bad usage.
+
+Example::
+
+    shardkit bench --size 2GiB --reps 3 --only save,load --json rows.json
+"""
 
 from __future__ import annotations
 
@@ -8,28 +18,17 @@ from shardkit.cli.target import InputError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="run the side-by-side benchmarks (from a source checkout)",
-                       description=__doc__, add_help=False)
-    p.add_argument("rest", nargs="...", help="arguments for python -m benchmarks (try --help)")
-    p.set_defaults(run=run)
+    from shardkit.bench.runner import add_arguments
+
+    p = sub.add_parser("bench", help="run the side-by-side benchmarks (save, load, reshard, HF, comm, DDP)",
+                       description="Time shardkit side by side with torch.save, safetensors and DCP; print one table.")
+    add_arguments(p)
+    p.set_defaults(run=run, _bench_error=p.error)
 
 
 def run(args) -> int:
-    workdir = _option(args.rest, "--workdir")
-    if workdir is not None and not os.path.isdir(workdir):
-        raise InputError(f"--workdir {workdir} is not an existing directory")
-    try:
-        from benchmarks.__main__ import main as bench_main
-    except ImportError as e:
-        raise InputError("the benchmarks ship with the source, not the wheel; run it from a checkout of "
-                         "shardkit (its root on the current directory)") from e
-    return bench_main(args.rest)
+    if args.workdir is not None and not os.path.isdir(args.workdir):
+        raise InputError(f"--workdir {args.workdir} is not an existing directory")
+    from shardkit.bench.runner import run as run_benchmarks
 
-
-def _option(rest: list[str], flag: str) -> str | None:
-    for i, arg in enumerate(rest):
-        if arg == flag and i + 1 < len(rest):
-            return rest[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
+    return run_benchmarks(args, args._bench_error)

@@ -12,7 +12,7 @@ swap order every repetition. Nothing here is a test: no time is asserted.
 
 Example::
 
-    python -m benchmarks.comm_bench --reps 5
+    python -m shardkit.bench.comm_bench --reps 5
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import format_table, row
+from shardkit.bench.common import format_table, row
 from shardkit.comm import Group, UniqueId
 from shardkit.launch import run_local_ranks
 

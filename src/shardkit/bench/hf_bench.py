@@ -28,12 +28,12 @@ import shutil
 
 import torch
 
-from benchmarks.common import row, time_interleaved
+from shardkit.bench.common import row, time_interleaved
 
 
 def _state(size_bytes: int) -> dict[str, torch.Tensor]:
     try:
-        from benchmarks.workload import make_state
+        from shardkit.bench.workload import make_state
 
         return make_state(size_bytes)
     except ImportError:  # the shared workload module is optional here
@@ -109,7 +109,7 @@ def _raw_read(targets: list[torch.Tensor], path: str) -> None:
 
 
 def _interleaved(impls: dict, reps: int, setup=None) -> dict[str, dict]:
-    """:func:`benchmarks.common.time_interleaved` where an impl may be ``(fn, own_setup)``;
+    """:func:`shardkit.bench.common.time_interleaved` where an impl may be ``(fn, own_setup)``;
     ``own_setup`` (or else ``setup``) runs untimed before every call."""
     fns = {name: impl[0] if isinstance(impl, tuple) else impl for name, impl in impls.items()}
     setups = {name: impl[1] if isinstance(impl, tuple) else setup for name, impl in impls.items()}
@@ -256,7 +256,7 @@ if __name__ == "__main__":
     import sys
     import tempfile
 
-    from benchmarks.common import format_table
+    from shardkit.bench.common import format_table
 
     size = int(float(sys.argv[1]) * (1 << 20)) if len(sys.argv) > 1 else 64 << 20
     with tempfile.TemporaryDirectory() as tmp:

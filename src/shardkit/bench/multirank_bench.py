@@ -18,8 +18,8 @@ import zlib
 
 import torch
 
-from benchmarks.common import row
-from benchmarks.workload import tensor_shapes
+from shardkit.bench.common import row
+from shardkit.bench.workload import tensor_shapes
 from shardkit.checkpoint import ShardMetadata, TensorShardSpec, compute_shard_sizes, load_distributed, save_distributed
 from shardkit.launch import run_local_ranks
 from shardkit.storage import byte_view
@@ -92,7 +92,7 @@ def _save_rank(rank, world_size, size_bytes, workdir, reps):
     """Save case: each impl `reps` times; the last checkpoint of each stays for the load cases."""
     import torch.distributed as dist
 
-    from benchmarks import peers
+    from shardkit.bench import peers
 
     shapes = tensor_shapes(size_bytes)
     spec = _spec(shapes, world_size)
@@ -139,7 +139,7 @@ def _seed_method(path: str, old_world: int, new_rank: int, new_world: int) -> di
 
 
 def _load_rank(rank, world_size, size_bytes, workdir, reps, impl, saved_world):
-    from benchmarks import peers
+    from shardkit.bench import peers
 
     path = os.path.join(workdir, f"ckpt{saved_world}-{'dcp' if impl == 'dcp' else 'shardkit'}")
     if impl == "dcp":

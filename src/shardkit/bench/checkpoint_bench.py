@@ -12,9 +12,9 @@ import shutil
 
 import torch
 
-from benchmarks import peers
-from benchmarks.common import row, time_interleaved
-from benchmarks.workload import make_state, state_bytes
+from shardkit.bench import peers
+from shardkit.bench.common import row, time_interleaved
+from shardkit.bench.workload import make_state, state_bytes
 from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, load_distributed, save_distributed
 
 SINGLE = ShardMetadata(num_ranks=1, tensor_specs={})

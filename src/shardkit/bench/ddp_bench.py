@@ -9,7 +9,7 @@ rank's. What it does not measure: GPU, NCCL, or more than 2 ranks.
 
 Example::
 
-    from benchmarks.ddp_bench import run_ddp_benchmarks
+    from shardkit.bench.ddp_bench import run_ddp_benchmarks
     rows = run_ddp_benchmarks(reps=5)
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmarks.common import row
+from shardkit.bench.common import row
 
 WIDTH, DEPTH, BATCH = 1024, 3, 64   # ~2.4 M parameters, ~9 MiB of float32 gradients
 STEPS_PER_REP, WARMUP_STEPS = 10, 3
@@ -108,6 +108,6 @@ def run_ddp_benchmarks(reps: int) -> list[dict]:
 if __name__ == "__main__":
     import sys
 
-    from benchmarks.common import format_table
+    from shardkit.bench.common import format_table
 
     print(format_table(run_ddp_benchmarks(int(sys.argv[1]) if len(sys.argv) > 1 else 5)))

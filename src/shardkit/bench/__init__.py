@@ -1,0 +1,11 @@
+"""Side-by-side benchmarks: shardkit against the tools a user would otherwise pick.
+
+Shipped with the package, so ``shardkit bench`` works from an installed
+wheel (``python -m shardkit.bench`` too; ``python -m benchmarks`` in a
+checkout is a shim for the same). Suites: save, load, async, multirank,
+comm, hf, ddp. This package is not imported by the library itself.
+
+Example::
+
+    shardkit bench --size 256MiB --reps 3 --only save,load
+"""

@@ -1,0 +1,234 @@
+"""Read a PyTorch DCP (``torch.distributed.checkpoint``) checkpoint, tensor by tensor, running no code.
+
+On disk (``FileSystemWriter``): ``.metadata`` (a pickle; read by
+:func:`~shardkit.sources.dcp_metadata.read_dcp_metadata` through torch's
+weights-only unpickler) and ``__<rank>_<n>.distcp`` files. Each saved chunk
+of a tensor is one ``torch.save`` record (a small zip) at the byte range
+``storage_data[MetadataIndex(fqn, chunk offsets)]`` gives (relative path,
+offset, length); each non-tensor value is a ``torch.save``'d object there too.
+Both are read with ``torch.load(weights_only=True)`` over just that byte
+range, never with pickle. A tensor saved in chunks (a sharded save on N
+ranks) is assembled chunk by chunk, or only the chunks overlapping a box are
+read. Not supported: DCP storage extensions (compression transforms) and
+the Hugging Face storage writer's safetensors layout; both are refused with
+a :class:`~shardkit.errors.MetadataError`.
+
+Example::
+
+    with DcpCheckpoint("/ckpt/dcp-step-100") as ck:
+        w = ck.read("model.layers.0.w")                  # whole, from every chunk
+        block = ck.read_box("model.layers.0.w", (0, 0), (8, 16))
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import pickle
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
+from shardkit.layout import Box, intersect, whole_box
+from shardkit.sources.dcp_metadata import read_dcp_metadata
+from shardkit.storage import Reader, check_relative_name, storage_for
+
+__all__ = ["DcpChunk", "DcpTensor", "DcpCheckpoint", "is_dcp_checkpoint"]
+
+log = logging.getLogger("shardkit.sources.dcp")
+
+
+@dataclass(frozen=True)
+class DcpChunk:
+    """One saved chunk: its box in the full tensor and where its ``torch.save`` record is."""
+
+    box: Box
+    file_name: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[DcpChunk, ...]
+
+
+def is_dcp_checkpoint(dir) -> bool:
+    """True when ``dir`` holds a DCP ``.metadata`` file (complete or not is for the reader to say)."""
+    storage, directory = storage_for(dir)
+    return storage.exists(storage.join(directory, ".metadata"))
+
+
+class _RecordView(io.RawIOBase):
+    """The byte range ``[offset, offset + length)`` of an open file, as a seekable read-only stream."""
+
+    def __init__(self, reader: Reader, offset: int, length: int):
+        self._reader, self._offset, self._length, self._pos = reader, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = max(0, min(len(buf), self._length - self._pos))
+        if n:
+            self._reader.read_into(self._offset + self._pos, memoryview(buf).cast("B")[:n])
+            self._pos += n
+        return n
+
+
+class DcpCheckpoint:
+    """An open DCP checkpoint directory: names, dtypes, shapes; tensors read one at a time.
+
+    Reads ``.metadata`` once, holds the data files open until :meth:`close`
+    (also a context manager). Memory: one tensor (or one box) at a time.
+    """
+
+    def __init__(self, dir):
+        self.storage, self.directory = storage_for(dir)
+        self.metadata = read_dcp_metadata(dir)
+        self.tensors: dict[str, DcpTensor] = {}
+        self.values: dict[str, DcpChunk] = {}
+        self._readers: dict[str, Reader] = {}
+        self._index()
+
+    def _index(self) -> None:
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        where = {(k.fqn, tuple(k.offset) if k.offset is not None else None): v
+                 for k, v in (self.metadata.storage_data or {}).items()}
+        for fqn, entry in self.metadata.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata):
+                chunks = tuple(self._chunk(fqn, Box(tuple(c.offsets), tuple(c.sizes)), where) for c in entry.chunks)
+                self.tensors[fqn] = DcpTensor(entry.properties.dtype, tuple(entry.size), chunks)
+            elif isinstance(entry, BytesStorageMetadata):
+                self.values[fqn] = self._chunk(fqn, None, where)
+            else:
+                raise MetadataError(f"{self.directory}/.metadata: entry {fqn!r} is a {type(entry).__name__}")
+
+    def _chunk(self, fqn: str, box: Box | None, where: dict) -> DcpChunk:
+        info = where.get((fqn, box.offsets if box is not None else None))
+        if info is None:
+            raise MetadataError(f"{self.directory}/.metadata lists {fqn!r} (chunk at {box and list(box.offsets)}) "
+                                f"but its storage_data has no entry for it; the metadata is corrupt")
+        if getattr(info, "transform_descriptors", None):
+            raise MetadataError(f"{self.directory}: {fqn!r} is stored through DCP extensions "
+                                f"{list(info.transform_descriptors)}; shardkit reads only untransformed DCP "
+                                f"checkpoints (save without storage extensions)")
+        file_name = check_relative_name(info.relative_path, (".distcp",), source=f"{self.directory}/.metadata")
+        return DcpChunk(box, file_name, int(info.offset), int(info.length))
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def _reader(self, file_name: str) -> Reader:
+        if file_name not in self._readers:
+            path = self.storage.join(self.directory, file_name)
+            if not self.storage.exists(path):
+                raise MissingShardError(f"{self.directory}: {file_name}, named by .metadata, is missing; "
+                                        f"the DCP checkpoint is incomplete")
+            self._readers[file_name] = self.storage.open_reader(path)
+        return self._readers[file_name]
+
+    def _load_record(self, chunk: DcpChunk, what: str) -> Any:
+        reader = self._reader(chunk.file_name)
+        if chunk.offset < 0 or chunk.length < 0 or chunk.offset + chunk.length > reader.size_bytes:
+            raise IncompleteCheckpointError(
+                f"{self.directory}/{chunk.file_name} is {reader.size_bytes} bytes, but {what} is recorded at "
+                f"{chunk.offset}..{chunk.offset + chunk.length}: the file is truncated")
+        try:
+            return torch.load(_RecordView(reader, chunk.offset, chunk.length), map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, AttributeError) as e:
+            raise MetadataError(
+                f"{self.directory}/{chunk.file_name}: {what} was refused by torch.load(weights_only=True): "
+                f"it is corrupt or holds more than tensors and plain values ({type(e).__name__}: {str(e)[:200]})"
+            ) from e
+
+    def _load_chunk(self, name: str, chunk: DcpChunk) -> torch.Tensor:
+        t = self._load_record(chunk, f"tensor {name!r} (chunk at {list(chunk.box.offsets)})")
+        expected = self.tensors[name].dtype
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != chunk.box.sizes or t.dtype != expected:
+            found = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise MetadataError(f"{self.directory}/{chunk.file_name}: chunk of {name!r} at {list(chunk.box.offsets)} "
+                                f"holds {found}, .metadata says {expected} {list(chunk.box.sizes)}")
+        return t
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name`` (every chunk assembled)."""
+        return self.read_box(name, *whole_box(self._tensor(name).shape))
+
+    def read_box(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+        """The box ``offsets``/``sizes`` of tensor ``name``, reading only the chunks that overlap it."""
+        meta = self._tensor(name)
+        want = Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
+        if len(want.sizes) != len(meta.shape) or any(o < 0 or o + s > n for o, s, n in zip(want.offsets, want.sizes, meta.shape)):
+            raise MetadataError(f"box {list(want.offsets)}+{list(want.sizes)} does not fit {name!r} {list(meta.shape)}")
+        pieces = [(c, ov) for c in meta.chunks if (ov := intersect(c.box, want)) is not None or math.prod(want.sizes) == 0]
+        if len(pieces) == 1 and pieces[0][0].box == want:
+            return self._load_chunk(name, pieces[0][0])
+        out = torch.empty(want.sizes, dtype=meta.dtype)
+        covered = 0
+        for chunk, overlap in pieces:
+            if overlap is None:
+                continue
+            src = self._load_chunk(name, chunk)
+            _region(out, want, overlap).copy_(_region(src, chunk.box, overlap))
+            covered += overlap.numel
+            del src
+        if covered != want.numel:
+            raise MetadataError(f"{self.directory}: the chunks of {name!r} cover {covered} of the {want.numel} "
+                                f"elements asked for; the checkpoint's .metadata is inconsistent")
+        log.debug("read %s box %s from %d chunk(s)", name, list(want.sizes), len(pieces))
+        return out
+
+    def read_value(self, name: str) -> Any:
+        """The non-tensor value ``name`` (``torch.load(weights_only=True)``; refused if it is not plain data)."""
+        if name not in self.values:
+            raise MetadataError(f"{self.directory} has no value {name!r}")
+        chunk = self.values[name]
+        reader = self._reader(chunk.file_name)
+        data = io.BytesIO(reader.read(chunk.offset, chunk.length))
+        try:
+            return torch.load(data, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as e:
+            raise MetadataError(f"{self.directory}: value {name!r} was refused by torch.load(weights_only=True) "
+                                f"({type(e).__name__}: {str(e)[:200]})") from e
+
+    def _tensor(self, name: str) -> DcpTensor:
+        if name not in self.tensors:
+            raise MetadataError(f"{self.directory} has no tensor {name!r}; it holds: "
+                                f"{', '.join(sorted(self.tensors)[:8]) or 'none'}")
+        return self.tensors[name]
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def __enter__(self) -> "DcpCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _region(t: torch.Tensor, box: Box, part: Box) -> torch.Tensor:
+    """The view of ``t`` (holding ``box`` of the full tensor) that holds ``part``."""
+    for dim, (start, size, base) in enumerate(zip(part.offsets, part.sizes, box.offsets)):
+        t = t.narrow(dim, start - base, size)
+    return t

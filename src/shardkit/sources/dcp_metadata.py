@@ -1,0 +1,90 @@
+"""Read a PyTorch DCP ``.metadata`` file without running code from it.
+
+``torch.distributed.checkpoint`` writes its ``.metadata`` with ``pickle.dump``
+and reads it back with a plain ``pickle.load`` (pytorch/pytorch#189308): a
+crafted file runs any code it likes. Here the file goes through torch's
+weights-only unpickler (``torch._weights_only_unpickler``, the one behind
+``torch.load(weights_only=True)``), with only DCP's own metadata classes
+admitted on top of its defaults (tensors' dtypes, ``torch.Size``, plain
+containers) via ``torch.serialization.safe_globals``. That unpickler reads
+protocol-2 opcodes only, so the protocol-4 stream is first rewritten opcode
+for opcode (``pickle_downgrade``: a parser, it builds nothing). Any other global (say,
+``os.system``) is refused before it is called, and the refusal is a
+:class:`~shardkit.errors.MetadataError`. This module does not read tensor data.
+
+Example::
+
+    meta = read_dcp_metadata("/ckpt/dcp-step-100")
+    meta.state_dict_metadata["model.w"].size      # torch.Size([4096, 1024])
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pathlib
+import pickle
+
+from shardkit import knobs
+from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
+from shardkit.sources.pickle_downgrade import downgrade_pickle
+from shardkit.storage import storage_for
+
+__all__ = ["DCP_METADATA_FILE", "dcp_metadata_classes", "parse_dcp_metadata", "read_dcp_metadata"]
+
+DCP_METADATA_FILE = ".metadata"
+log = logging.getLogger("shardkit.sources.dcp")
+
+
+def dcp_metadata_classes() -> list:
+    """The classes a DCP ``.metadata`` may construct beyond torch's weights-only defaults."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    classes = [metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
+               metadata.ChunkStorageMetadata, metadata.TensorProperties, metadata.MetadataIndex,
+               metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo]
+    if hasattr(metadata, "StorageMeta"):
+        classes.append(metadata.StorageMeta)
+    # StorageMeta.checkpoint_id may be the path dcp.save was given: a path object is inert data.
+    return classes + [pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PureWindowsPath]
+
+
+def parse_dcp_metadata(source: str, data: bytes):
+    """Unpickle the bytes of a ``.metadata`` file with the restricted unpickler (``source`` names it in errors)."""
+    import torch
+    from torch import _weights_only_unpickler
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with torch.serialization.safe_globals(dcp_metadata_classes()):
+            obj = _weights_only_unpickler.load(io.BytesIO(downgrade_pickle(data, source=source)), encoding="utf-8")
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError,
+            KeyError, RuntimeError, UnicodeDecodeError) as e:
+        raise MetadataError(
+            f"{source} was refused by the restricted unpickler: it holds something other than DCP's "
+            f"metadata classes and plain containers (possibly code, which was not run), or it is corrupt. "
+            f"({type(e).__name__}: {str(e)[:300]})"
+        ) from e
+    if not isinstance(obj, Metadata):
+        raise MetadataError(f"{source} holds a {type(obj).__name__}, not DCP Metadata; it is not a DCP checkpoint")
+    if not isinstance(getattr(obj, "state_dict_metadata", None), dict):
+        raise MetadataError(f"{source}: its Metadata has no state_dict_metadata dict; the file is corrupt")
+    return obj
+
+
+def read_dcp_metadata(dir):
+    """The parsed ``.metadata`` of the DCP checkpoint directory ``dir`` (no tensor data is read).
+
+    Raises :class:`MissingShardError` when ``dir`` does not exist,
+    :class:`IncompleteCheckpointError` when it has no ``.metadata`` (DCP writes
+    it last), :class:`MetadataError` when it is refused or malformed.
+    """
+    storage, directory = storage_for(dir)
+    if not storage.exists(directory):
+        raise MissingShardError(f"checkpoint directory {directory} does not exist")
+    path = storage.join(directory, DCP_METADATA_FILE)
+    if not storage.exists(path):
+        raise IncompleteCheckpointError(
+            f"{directory} has no {DCP_METADATA_FILE}: the DCP save never finished (or this is not a DCP checkpoint)")
+    log.debug("reading DCP metadata %s", path)
+    return parse_dcp_metadata(path, storage.read_bytes(path, max_bytes=knobs.DCP_MAX_METADATA_BYTES))
