@@ -39,7 +39,7 @@ STREAM_COPY: bool = True
 STREAM_COPY_MIN_BYTES: int = 1024 * 1024
 
 #: Local reads of at least this many bytes copy from a read-only map of the
-#: file (non-temporal copies; see ``storage.backend._LocalReader``) instead of
+#: file (non-temporal copies; see ``storage.local._LocalReader``) instead of
 #: ``preadv``. ``MMAP_READS = False`` reads everything with ``preadv``.
 MMAP_READS: bool = True
 MMAP_READ_MIN_BYTES: int = 1024 * 1024
