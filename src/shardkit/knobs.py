@@ -90,3 +90,14 @@ COMM_TIMEOUT_SLACK_S: float = 2.0
 #: CommArgumentError at once instead of a backend error or a timeout. Costs
 #: one extra small all_gather per call: meant for debugging and tests.
 COMM_CHECK_ARGS: bool = False
+
+# --- object stores (shardkit.storage.fsspec_store) ---------------------------
+
+#: Part size of the multipart uploads shardkit makes to S3 (S3 wants 5 MiB to
+#: 5 GiB per part, at most 10,000 parts); a file smaller than one part is a
+#: single PUT. Also the size of the ranged GETs one large read is split into.
+OBJECT_PART_BYTES: int = 16 * 1024 * 1024
+
+#: Parts uploaded (or ranges fetched) at once per file. Memory held by one
+#: upload is about ``(OBJECT_PARTS_IN_FLIGHT + 1) * OBJECT_PART_BYTES``.
+OBJECT_PARTS_IN_FLIGHT: int = 8

@@ -14,14 +14,13 @@ Example::
 
 from __future__ import annotations
 
-import io
 import pickle
 import zipfile
 
 import torch
 
 from shardkit.errors import MetadataError, MissingShardError
-from shardkit.storage import LocalStorage, Storage
+from shardkit.storage import Storage
 
 __all__ = ["write_bin_shard", "read_bin_shard", "bin_looks_complete"]
 
@@ -48,13 +47,9 @@ def read_bin_shard(storage: Storage, path: str) -> dict[str, torch.Tensor]:
     """
     if not storage.exists(path):
         raise MissingShardError(f"{path} does not exist; the checkpoint is incomplete or was moved")
-    if isinstance(storage, LocalStorage):
-        source = path
-    else:
-        with storage.open_reader(path) as reader:
-            source = io.BytesIO(reader.read(0, reader.size_bytes))
     try:
-        obj = torch.load(source, map_location="cpu", weights_only=True)
+        with storage.open_file(path) as source:
+            obj = torch.load(source, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ValueError) as e:
         raise MetadataError(
             f"{path} was refused by torch.load(weights_only=True): it holds objects other than "
@@ -73,7 +68,7 @@ def read_bin_shard(storage: Storage, path: str) -> dict[str, torch.Tensor]:
 def bin_looks_complete(storage: Storage, path: str) -> bool:
     """True if ``path`` is a ``torch.save`` zip whose central directory reads back intact.
 
-    Unpickles nothing and reads only the zip directory on local files. A
+    Unpickles nothing and reads only the zip directory (its end, on object stores). A
     legacy (non-zip) ``.bin`` counts when it is not empty.
     """
     try:
@@ -82,8 +77,7 @@ def bin_looks_complete(storage: Storage, path: str) -> bool:
                 return False
             if reader.read(0, 2) != b"PK":
                 return True
-            source = path if isinstance(storage, LocalStorage) else io.BytesIO(reader.read(0, reader.size_bytes))
-        with zipfile.ZipFile(source) as z:
+        with storage.open_file(path) as source, zipfile.ZipFile(source) as z:
             return len(z.namelist()) > 0
     except (OSError, EOFError, zipfile.BadZipFile, MissingShardError):
         return False

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -34,7 +33,7 @@ from shardkit.hf.index import (
     load_shard_index,
 )
 from shardkit.hf.shard_io import shard_header
-from shardkit.storage import storage_for
+from shardkit.storage import is_temp_name, storage_for
 
 __all__ = [
     "CheckpointMeta",
@@ -103,7 +102,8 @@ def validate_checkpoint(checkpoint_path: str) -> bool:
 def checkpoint_problems(checkpoint_path: str) -> List[str]:
     """Why ``checkpoint_path`` is not a complete checkpoint (``[]`` when it is)."""
     try:
-        if not os.path.isdir(checkpoint_path) and "://" not in checkpoint_path:
+        store, root = storage_for(checkpoint_path)
+        if not store.isdir(root):
             return [f"{checkpoint_path} is not a directory"]
         meta = get_checkpoint_metadata(checkpoint_path)
         if meta is None:
@@ -152,14 +152,14 @@ def _distributed_problems(path: str) -> List[str]:
 
 
 def _checkpoint_id(path: str) -> Optional[int]:
-    match = _ID_RE.match(os.path.basename(os.path.normpath(path)))
+    match = _ID_RE.match(os.path.basename(path.rstrip("/")))
     return int(match.group(1)) if match else None
 
 
 def _commit_time(path: str) -> float:
+    store, root = storage_for(path)
     meta = get_checkpoint_metadata(path)
-    target = os.path.join(path, meta.file_name) if meta else path
-    return os.path.getmtime(target)
+    return store.modified_time(store.join(root, meta.file_name)) if meta else 0.0
 
 
 def list_checkpoints(model_dir: str) -> List[str]:
@@ -167,13 +167,15 @@ def list_checkpoints(model_dir: str) -> List[str]:
 
     Ordered by numeric id (``checkpoint-<id>``) where there is one; those
     without an id come first, by index modification time. Incomplete ones
-    (a save that never finished) are not listed.
+    (a save that never finished) are not listed, nor are temporary names
+    (``storage.is_temp_name``). ``model_dir`` may be a URL (``s3://...``).
     """
-    parent = os.path.join(model_dir, CHECKPOINTS_DIR)
-    if not os.path.isdir(parent):
+    store, root = storage_for(model_dir)
+    parent = store.join(root, CHECKPOINTS_DIR)
+    if not store.isdir(parent):
         return []
-    paths = [os.path.join(parent, n) for n in sorted(os.listdir(parent))]
-    valid = [p for p in paths if os.path.isdir(p) and validate_checkpoint(p)]
+    paths = [store.join(parent, n) for n in store.listdir(parent) if not is_temp_name(n)]
+    valid = [p for p in paths if store.isdir(p) and validate_checkpoint(p)]
     return sorted(valid, key=_order_key)
 
 
@@ -193,7 +195,8 @@ def find_latest_checkpoint(model_dir: str) -> Optional[str]:
 
 def next_checkpoint_path(model_dir: str, checkpoint_id) -> str:
     """``model_dir/checkpoints/checkpoint-<checkpoint_id>`` (not created)."""
-    return os.path.join(model_dir, CHECKPOINTS_DIR, f"checkpoint-{checkpoint_id}")
+    store, _ = storage_for(model_dir)
+    return store.join(model_dir, CHECKPOINTS_DIR, f"checkpoint-{checkpoint_id}")
 
 
 def maybe_delete_oldest_checkpoint(
@@ -211,20 +214,22 @@ def maybe_delete_oldest_checkpoint(
     """
     if max_checkpoints < 0:
         raise MetadataError(f"max_checkpoints must be >= 0 (how many complete checkpoints to keep), got {max_checkpoints}")
-    keep = {os.path.realpath(p) for p in [best_checkpoint, *(preserved_checkpoints or [])] if p}
+    store, _ = storage_for(model_dir)
+    keep = {store.same_path(storage_for(p)[1]) for p in [best_checkpoint, *(preserved_checkpoints or [])] if p}
     existing = list_checkpoints(model_dir)
     excess = len(existing) - max_checkpoints
     for path in existing:
         if excess <= 0:
             break
-        if os.path.realpath(path) in keep:
+        if store.same_path(storage_for(path)[1]) in keep:
             continue
         _delete_checkpoint(path)
         excess -= 1
 
 
 def _delete_checkpoint(path: str) -> None:
+    store, root = storage_for(path)
     meta = get_checkpoint_metadata(path)
     if meta is not None:
-        os.remove(os.path.join(path, meta.file_name))
-    shutil.rmtree(path)
+        store.remove(store.join(root, meta.file_name))
+    store.remove_tree(root)

@@ -23,13 +23,24 @@ from typing import BinaryIO, Iterator
 
 from shardkit import knobs
 
-__all__ = ["atomic_local_writer", "fsync_dir", "is_temp_name", "start_writeback"]
+__all__ = ["atomic_local_writer", "fsync_dir", "is_temp_name", "start_writeback", "temp_name"]
 
 _TMP_SUFFIX = ".tmp"
 
 
+def temp_name(name: str) -> str:
+    """The temporary name a file ``name`` is written under before it is published.
+
+    The one convention of every backend (``.<name>.<8 hex>.tmp``, in the same
+    directory), so listings, validators and clean-up recognise leftovers of a
+    killed writer with :func:`is_temp_name`. Example: ``temp_name("a.json")``
+    is ``".a.json.3f9c01ab.tmp"``.
+    """
+    return f".{name}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+
+
 def is_temp_name(name: str) -> bool:
-    """True for the temporary names :func:`atomic_local_writer` uses."""
+    """True for the temporary names of :func:`temp_name` (a base name, not a path)."""
     return name.startswith(".") and name.endswith(_TMP_SUFFIX)
 
 
@@ -103,7 +114,7 @@ def atomic_local_writer(path: str, durable: bool = True) -> Iterator[BinaryIO]:
     ``safetensors`` give.
     """
     directory, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
+    tmp = os.path.join(directory, temp_name(name))
     f = open(tmp, "xb", buffering=0)
     try:
         yield _EarlyWritebackFile(f) if durable else f

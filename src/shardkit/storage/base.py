@@ -18,7 +18,7 @@ import contextlib
 import mmap
 from typing import BinaryIO
 
-__all__ = ["Reader", "Storage"]
+__all__ = ["Reader", "Storage", "StreamSink"]
 
 
 class Reader:
@@ -52,8 +52,37 @@ class Reader:
         )
 
 
+class StreamSink:
+    """Sequential writes to a file object: the write method of stores without a faster one.
+
+    ``write`` takes every byte of ``piece`` before it returns (the caller may
+    reuse the memory); ``drain`` and ``close`` have nothing left to wait for.
+    """
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, piece: memoryview) -> None:
+        written = 0
+        while written < len(piece):
+            n = self._f.write(piece[written:])
+            written += len(piece) - written if n is None else n
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Storage:
-    """The operations shardkit needs from a place that holds files."""
+    """The operations shardkit needs from a place that holds files.
+
+    Paths are strings as the backend spells them (see ``storage_for``); a
+    "directory" on an object store is a key prefix. Each backend picks its
+    own way to move bytes (:meth:`open_sink`, :meth:`open_reader`), so
+    callers never test which backend they have.
+    """
 
     def join(self, *parts: str) -> str:
         raise NotImplementedError
@@ -73,6 +102,65 @@ class Storage:
 
     def remove(self, path: str) -> None:
         raise NotImplementedError
+
+    def isdir(self, path: str) -> bool:
+        """True if ``path`` is a directory (on an object store: a prefix that holds objects)."""
+        raise NotImplementedError
+
+    def remove_tree(self, path: str) -> None:
+        """Delete ``path`` and everything under it; a missing ``path`` is not an error."""
+        raise NotImplementedError
+
+    def modified_time(self, path: str) -> float:
+        """When the file at ``path`` was last written, in seconds since the epoch."""
+        raise NotImplementedError
+
+    def same_path(self, path: str) -> str:
+        """A spelling of ``path`` that compares equal for equal places (local: the real path)."""
+        return path.rstrip("/")
+
+    def open_file(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        """A seekable binary file object reading ``path``, for libraries that want one
+        (``torch.load``, ``zipfile``). Prefer :meth:`open_reader` for byte ranges."""
+        raise NotImplementedError
+
+    def open_sink(self, f: BinaryIO, durable: bool = True):
+        """The fastest way this store takes a file's bytes in order, given the file
+        object :meth:`atomic_writer` yielded: an object with ``write(piece)``,
+        ``drain()`` (wait for what was handed over) and ``close()``.
+
+        The default writes to ``f`` in sequence (:class:`StreamSink`); the local
+        backend writes positionally or with ``O_DIRECT``, object stores upload
+        parts in parallel behind ``f`` itself.
+
+        Example::
+
+            with store.atomic_writer(path) as f:
+                sink = store.open_sink(f)
+                try:
+                    sink.write(memoryview(data))
+                finally:
+                    sink.close()
+        """
+        return StreamSink(f)
+
+    def remove_orphans(self, directory: str) -> list[str]:
+        """Delete what killed writers left in ``directory``; return what was removed.
+
+        Leftovers are files under a temporary name (``storage.is_temp_name``)
+        and, on object stores, multipart uploads never completed (invisible
+        to readers, but billed). None of them ever makes a checkpoint look
+        complete; this only reclaims space. Call it only when no save into
+        ``directory`` is running: a running save's files look the same.
+        """
+        from shardkit.storage.atomic import is_temp_name
+
+        if not self.isdir(directory):
+            return []
+        removed = [self.join(directory, n) for n in self.listdir(directory) if is_temp_name(n)]
+        for path in removed:
+            self.remove(path)
+        return removed
 
     def open_reader(self, path: str) -> Reader:
         raise NotImplementedError

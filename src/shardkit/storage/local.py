@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import threading
 
 from shardkit import knobs
@@ -116,6 +117,31 @@ class LocalStorage(Storage):
     def remove(self, path: str) -> None:
         os.remove(path)
         fsync_dir(os.path.dirname(path) or ".")
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=not os.path.exists(path))
+
+    def modified_time(self, path: str) -> float:
+        return os.path.getmtime(path)
+
+    def same_path(self, path: str) -> str:
+        return os.path.realpath(path)
+
+    def open_file(self, path: str):
+        try:
+            return open(path, "rb")
+        except FileNotFoundError as e:
+            raise MissingShardError(f"{path} does not exist") from e
+
+    def open_sink(self, f, durable: bool = True):
+        """``O_DIRECT`` for durable writes where the file system takes it, else
+        positional buffered writes from a few threads (``storage.writer``)."""
+        from shardkit.storage.writer import _local_sink  # the sinks live beside the writer
+
+        return _local_sink(f.fileno(), durable)
 
     def open_reader(self, path: str) -> Reader:
         try:

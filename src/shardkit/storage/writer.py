@@ -29,7 +29,7 @@ import torch
 from shardkit import knobs
 from shardkit.dtypes import itemsize_bytes, to_safetensors_name
 from shardkit.storage.atomic import start_writeback
-from shardkit.storage.backend import LocalStorage, Storage
+from shardkit.storage.base import Storage
 from shardkit.storage.checksum import BlockHasher, FileRecord
 from shardkit.storage.direct_io import open_direct_sink
 from shardkit.storage.safetensors_header import build_header
@@ -92,7 +92,7 @@ def write_safetensors(
     # One hashing worker keeps the updates in file order.
     with ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash") as hashing:
         with storage.atomic_writer(path, durable) as f:
-            sink = _local_sink(f.fileno(), durable) if isinstance(storage, LocalStorage) else _StreamSink(f)
+            sink = storage.open_sink(f, durable)
             try:
                 for view, lazy in _views(header, order):
                     for start in range(0, len(view), knobs.IO_CHUNK_BYTES):
@@ -118,25 +118,6 @@ def _local_sink(fd: int, durable: bool):
     """Direct I/O for durable writes where the file system takes it, else positional buffered writes."""
     direct = open_direct_sink(fd) if durable else None
     return direct if direct is not None else _PositionalSink(fd, durable)
-
-
-class _StreamSink:
-    """Sequential writes to a file object (fsspec and other stores)."""
-
-    def __init__(self, f):
-        self._f = f
-
-    def write(self, piece: memoryview) -> None:
-        written = 0
-        while written < len(piece):
-            n = self._f.write(piece[written:])
-            written += len(piece) - written if n is None else n
-
-    def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class _PositionalSink:
