@@ -194,9 +194,10 @@ def find_latest_checkpoint(model_dir: str) -> Optional[str]:
 
 
 def next_checkpoint_path(model_dir: str, checkpoint_id) -> str:
-    """``model_dir/checkpoints/checkpoint-<checkpoint_id>`` (not created)."""
-    store, _ = storage_for(model_dir)
-    return store.join(model_dir, CHECKPOINTS_DIR, f"checkpoint-{checkpoint_id}")
+    """``model_dir/checkpoints/checkpoint-<checkpoint_id>`` (not created), spelled as
+    :func:`list_checkpoints` returns it (``file://`` dropped, other URLs kept)."""
+    store, root = storage_for(model_dir)
+    return store.join(root, CHECKPOINTS_DIR, f"checkpoint-{checkpoint_id}")
 
 
 def maybe_delete_oldest_checkpoint(
