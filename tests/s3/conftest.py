@@ -8,7 +8,9 @@ configured). Clients find it through botocore's environment variables
 (``AWS_ENDPOINT_URL``...), set for the session so Gloo ranks spawned by a test
 inherit them. No traffic leaves loopback.
 
-Fixtures: ``s3_server`` (the endpoint URL), ``s3_url`` (a fresh
+Fixtures: ``s3_server`` (the endpoint URL), ``s3_env`` (those variables:
+a rank forked from a forkserver started earlier in the session does not
+inherit them, so multi-rank tests pass them on), ``s3_url`` (a fresh
 ``s3://<bucket>/<test>-<n>`` prefix per test), ``s3fs_client``.
 """
 
@@ -145,6 +147,14 @@ def _make_bucket() -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
+
+
+@pytest.fixture
+def s3_env(s3_server) -> dict:
+    """The environment variables that point clients at the server (for ``os.environ.update`` in a rank)."""
+    names = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+             "AWS_EC2_METADATA_DISABLED", "HF_HUB_OFFLINE")
+    return {n: os.environ[n] for n in names}
 
 
 @pytest.fixture

@@ -33,8 +33,10 @@ def _full(name: str) -> torch.Tensor:
     return torch.randn(ROWS, COLS, generator=g) if name == "w" else torch.arange(COLS * 3, dtype=torch.int64)
 
 
-def _save_then_load(rank: int, world_size: int, url: str) -> dict:
+def _save_then_load(rank: int, world_size: int, url: str, env: dict) -> dict:
     import torch.distributed as dist
+
+    os.environ.update(env)  # a forkserver started before the S3 fixture did not inherit it
 
     sizes = compute_shard_sizes(ROWS, world_size)
     start = sum(sizes[:rank])
@@ -56,8 +58,8 @@ def _save_then_load(rank: int, world_size: int, url: str) -> dict:
 
 
 @pytest.mark.multiproc
-def test_save_on_4_ranks_load_on_3_downloads_only_what_each_rank_needs(s3_url, tmp_path):
-    results = run_ranks(_save_then_load, 4, tmp_path, s3_url)
+def test_save_on_4_ranks_load_on_3_downloads_only_what_each_rank_needs(s3_url, s3_env, tmp_path):
+    results = run_ranks(_save_then_load, 4, tmp_path, s3_url, s3_env)
     assert validate_distributed(s3_url).ok
     for rank, res in enumerate(results[:3]):
         assert res["equal"], rank
