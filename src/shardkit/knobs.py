@@ -75,7 +75,7 @@ STREAM_COPY: bool = True
 STREAM_COPY_MIN_BYTES: int = 1024 * 1024
 
 #: Local reads of at least this many bytes copy from a read-only map of the
-#: file (non-temporal copies; see ``storage.backend._LocalReader``) instead of
+#: file (non-temporal copies; see ``storage.local._LocalReader``) instead of
 #: ``preadv``. ``MMAP_READS = False`` reads everything with ``preadv``.
 MMAP_READS: bool = True
 MMAP_READ_MIN_BYTES: int = 1024 * 1024
@@ -130,3 +130,14 @@ COMM_CHECK_ARGS: bool = False
 #: Largest DCP ``.metadata`` file shardkit agrees to read (it grows with the
 #: number of saved chunks: a large sharded model has tens of MiB).
 DCP_MAX_METADATA_BYTES: int = 512 * 1024 * 1024
+
+# --- object stores (shardkit.storage.fsspec_store) ---------------------------
+
+#: Part size of the multipart uploads shardkit makes to S3 (S3 wants 5 MiB to
+#: 5 GiB per part, at most 10,000 parts); a file smaller than one part is a
+#: single PUT. Also the size of the ranged GETs one large read is split into.
+OBJECT_PART_BYTES: int = 16 * 1024 * 1024
+
+#: Parts uploaded (or ranges fetched) at once per file. Memory held by one
+#: upload is about ``(OBJECT_PARTS_IN_FLIGHT + 1) * OBJECT_PART_BYTES``.
+OBJECT_PARTS_IN_FLIGHT: int = 8

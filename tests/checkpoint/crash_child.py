@@ -92,7 +92,7 @@ class _CountingFile:
 def install_kill_hooks(kill: dict) -> None:
     """Make this process SIGKILL itself at ``kill`` (see the module docstring)."""
     import shardkit.storage.atomic as atomic
-    import shardkit.storage.backend as backend
+    import shardkit.storage.local as local_backend
 
     real_writer, real_replace = atomic.atomic_local_writer, os.replace
     real_write, real_pwrite = os.write, os.pwrite
@@ -128,7 +128,7 @@ def install_kill_hooks(kill: dict) -> None:
             _die()
 
     atomic.atomic_local_writer = writer
-    backend.atomic_local_writer = writer
+    local_backend.atomic_local_writer = writer
     os.replace, os.write, os.pwrite = replace, write, pwrite
 
 

@@ -14,15 +14,13 @@ Example::
 
 from __future__ import annotations
 
-import io
-import os
 import zipfile
 
 import torch
 
 from shardkit.errors import MetadataError, MissingShardError
 from shardkit.hf.untrusted import PARSE_FAILURES, hostile_input, require_regular_file
-from shardkit.storage import LocalStorage, Storage
+from shardkit.storage import Storage
 
 __all__ = ["write_bin_shard", "read_bin_shard", "bin_looks_complete"]
 
@@ -48,17 +46,12 @@ def read_bin_shard(storage: Storage, path: str) -> dict[str, torch.Tensor]:
     holds anything the weights-only unpickler refuses.
     """
     require_regular_file(storage, path)
-    if isinstance(storage, LocalStorage):
-        source = path
-        size_bytes = os.path.getsize(path)
-    else:
-        with storage.open_reader(path) as reader:
-            source = io.BytesIO(reader.read(0, reader.size_bytes))
-            size_bytes = reader.size_bytes
-    _check_zip_members(path, source, size_bytes)
     try:
-        obj = torch.load(source, map_location="cpu", weights_only=True)
-    except (MemoryError, PermissionError):
+        with storage.open_file(path) as source:
+            _check_zip_members(path, source, storage.size_bytes(path))
+            source.seek(0)
+            obj = torch.load(source, map_location="cpu", weights_only=True)
+    except (MemoryError, PermissionError, MetadataError):
         raise
     except Exception as e:  # noqa: BLE001 -- a damaged pickle/zip fails in many ways; all mean "refused"
         raise MetadataError(
@@ -94,16 +87,17 @@ def _check_zip_members(path: str, source, size_bytes: int) -> None:
 
 
 def _is_zip(source) -> bool:
-    if isinstance(source, io.BytesIO):
-        return source.getbuffer()[:2] == b"PK"
-    with open(source, "rb") as f:
-        return f.read(2) == b"PK"
+    """Whether the file object ``source`` starts like a zip (its position is left at the start)."""
+    source.seek(0)
+    magic = source.read(2)
+    source.seek(0)
+    return magic == b"PK"
 
 
 def bin_looks_complete(storage: Storage, path: str) -> bool:
     """True if ``path`` is a ``torch.save`` zip whose central directory reads back intact.
 
-    Unpickles nothing and reads only the zip directory on local files. A
+    Unpickles nothing and reads only the zip directory (its end, on object stores). A
     legacy (non-zip) ``.bin`` counts when it is not empty.
     """
     try:
@@ -113,8 +107,7 @@ def bin_looks_complete(storage: Storage, path: str) -> bool:
                 return False
             if reader.read(0, 2) != b"PK":
                 return True
-            source = path if isinstance(storage, LocalStorage) else io.BytesIO(reader.read(0, reader.size_bytes))
-        with zipfile.ZipFile(source) as z:
+        with storage.open_file(path) as source, zipfile.ZipFile(source) as z:
             return len(z.namelist()) > 0
     except (OSError, MetadataError, MissingShardError, *PARSE_FAILURES):
         return False

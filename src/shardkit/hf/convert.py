@@ -20,7 +20,6 @@ Example::
 from __future__ import annotations
 
 import math
-import mmap
 from typing import Dict, Optional
 
 import torch
@@ -40,7 +39,7 @@ from shardkit.hf.save import _remove_previous
 from shardkit.hf.shard_io import shard_header
 from shardkit.hf.untrusted import hostile_input, non_regular_problems
 from shardkit.storage import LazyTensor, write_safetensors
-from shardkit.storage import LocalStorage, storage_for
+from shardkit.storage import storage_for
 
 __all__ = ["distributed_to_hf", "hf_to_distributed", "load_distributed_flat"]
 
@@ -176,13 +175,12 @@ def _rank_view(tensor: torch.Tensor, spec, rank: int) -> torch.Tensor:
 
 def _mapped_safetensors(store, path: str) -> Dict[str, torch.Tensor]:
     header = shard_header(store, path)
-    if not isinstance(store, LocalStorage) or not header.tensors:
+    mapped = store.map_private(path) if header.tensors else None  # private: never writes the file
+    if mapped is None:  # a store whose files cannot be mapped: read them
         from shardkit.hf.shard_io import read_shard
 
         return read_shard(store, path, list(header.tensors),
                           lambda n, e: torch.empty(e.shape, dtype=from_safetensors_name(e.dtype)))
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never writes the file
     out = {}
     for name, entry in header.tensors.items():
         dtype = from_safetensors_name(entry.dtype)

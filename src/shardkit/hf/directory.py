@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -36,7 +35,7 @@ from shardkit.hf.index import (
 )
 from shardkit.hf.shard_io import shard_header
 from shardkit.hf.untrusted import PARSE_FAILURES, non_regular_problems, require_regular_file
-from shardkit.storage import storage_for
+from shardkit.storage import is_temp_name, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +119,12 @@ def checkpoint_problems(checkpoint_path: str) -> List[str]:
 
 
 def _problems(checkpoint_path: str) -> List[str]:
-    if not os.path.isdir(checkpoint_path) and "://" not in checkpoint_path:
+    store, root = storage_for(checkpoint_path)
+    if not store.isdir(root):
         return [f"{checkpoint_path} is not a directory"]
     meta = get_checkpoint_metadata(checkpoint_path)
     if meta is None:
         return [f"{checkpoint_path} has no index, weights file or metadata.json"]
-    store, root = storage_for(checkpoint_path)
     not_files = non_regular_problems(store, root)
     if not_files:
         return not_files
@@ -178,15 +177,17 @@ def _distributed_problems(path: str) -> List[str]:
 
 
 def _checkpoint_id(path: str) -> Optional[int]:
-    match = _ID_RE.match(os.path.basename(os.path.normpath(path)))
+    match = _ID_RE.match(os.path.basename(path.rstrip("/")))
     return int(match.group(1)) if match else None
 
 
 def _commit_time(path: str) -> float:
+    store, root = storage_for(path)
     meta = get_checkpoint_metadata(path)
-    target = os.path.join(path, meta.file_name) if meta else path
+    if meta is None:
+        return 0.0
     try:
-        return os.path.getmtime(target)
+        return store.modified_time(store.join(root, meta.file_name))
     except OSError:  # deleted since it was checked: order it first, it goes no further
         return 0.0
 
@@ -196,20 +197,22 @@ def list_checkpoints(model_dir: str) -> List[str]:
 
     Ordered by numeric id (``checkpoint-<id>``) where there is one; those
     without an id come first, by index modification time. Incomplete ones
-    (a save that never finished) and broken ones are not listed; this never
-    raises for what a checkpoint directory holds.
+    (a save that never finished), broken ones and temporary names
+    (``storage.is_temp_name``) are not listed; this never raises for what a
+    checkpoint directory holds. ``model_dir`` may be a URL (``s3://...``).
     """
     return _scan(model_dir)[0]
 
 
 def _scan(model_dir: str) -> tuple[List[str], dict[str, List[str]]]:
     """(complete checkpoints, oldest first; {skipped directory: its problems})."""
-    parent = os.path.join(model_dir, CHECKPOINTS_DIR)
-    if not os.path.isdir(parent):
+    store, root = storage_for(model_dir)
+    parent = store.join(root, CHECKPOINTS_DIR)
+    if not store.isdir(parent):
         return [], {}
     valid, skipped = [], {}
-    for path in (os.path.join(parent, n) for n in sorted(os.listdir(parent))):
-        if not os.path.isdir(path):
+    for path in (store.join(parent, n) for n in store.listdir(parent) if not is_temp_name(n)):
+        if not store.isdir(path):
             continue
         problems = checkpoint_problems(path)
         if problems:
@@ -240,8 +243,10 @@ def find_latest_checkpoint(model_dir: str) -> Optional[str]:
 
 
 def next_checkpoint_path(model_dir: str, checkpoint_id) -> str:
-    """``model_dir/checkpoints/checkpoint-<checkpoint_id>`` (not created)."""
-    return os.path.join(model_dir, CHECKPOINTS_DIR, f"checkpoint-{checkpoint_id}")
+    """``model_dir/checkpoints/checkpoint-<checkpoint_id>`` (not created), spelled as
+    :func:`list_checkpoints` returns it (``file://`` dropped, other URLs kept)."""
+    store, root = storage_for(model_dir)
+    return store.join(root, CHECKPOINTS_DIR, f"checkpoint-{checkpoint_id}")
 
 
 def maybe_delete_oldest_checkpoint(
@@ -259,20 +264,22 @@ def maybe_delete_oldest_checkpoint(
     """
     if max_checkpoints < 0:
         raise MetadataError(f"max_checkpoints must be >= 0 (how many complete checkpoints to keep), got {max_checkpoints}")
-    keep = {os.path.realpath(p) for p in [best_checkpoint, *(preserved_checkpoints or [])] if p}
+    store, _ = storage_for(model_dir)
+    keep = {store.same_path(storage_for(p)[1]) for p in [best_checkpoint, *(preserved_checkpoints or [])] if p}
     existing = list_checkpoints(model_dir)
     excess = len(existing) - max_checkpoints
     for path in existing:
         if excess <= 0:
             break
-        if os.path.realpath(path) in keep:
+        if store.same_path(storage_for(path)[1]) in keep:
             continue
         _delete_checkpoint(path)
         excess -= 1
 
 
 def _delete_checkpoint(path: str) -> None:
+    store, root = storage_for(path)
     meta = get_checkpoint_metadata(path)
     if meta is not None:
-        os.remove(os.path.join(path, meta.file_name))
-    shutil.rmtree(path)
+        store.remove(store.join(root, meta.file_name))
+    store.remove_tree(root)

@@ -4,8 +4,10 @@ This layer knows files and bytes only. It never decides which tensor bytes
 a rank needs; ``shardkit.checkpoint`` plans that and calls in here.
 """
 
-from shardkit.storage.atomic import atomic_local_writer, fsync_dir, is_temp_name, start_writeback
+from shardkit.storage.atomic import atomic_local_writer, fsync_dir, is_temp_name, start_writeback, temp_name
 from shardkit.storage.backend import FsspecStorage, LocalStorage, Reader, Storage, storage_for
+from shardkit.storage.base import StreamSink
+from shardkit.storage.fsspec_store import fetched_bytes
 from shardkit.storage.lock import is_lock_name
 from shardkit.storage.checksum import ALGORITHM, BlockHasher, FileRecord
 from shardkit.storage.json_io import parse_json_object
@@ -31,11 +33,13 @@ __all__ = [
     "Reader",
     "SafetensorsHeader",
     "Storage",
+    "StreamSink",
     "TensorEntry",
     "atomic_local_writer",
     "build_header",
     "byte_view",
     "check_relative_name",
+    "fetched_bytes",
     "fsync_dir",
     "is_lock_name",
     "is_temp_name",
@@ -46,6 +50,7 @@ __all__ = [
     "run_parallel",
     "start_writeback",
     "storage_for",
+    "temp_name",
     "TensorLike",
     "write_safetensors",
 ]

@@ -32,13 +32,24 @@ from shardkit import knobs
 from shardkit.errors import CheckpointIOError
 
 __all__ = ["atomic_local_writer", "checkpoint_io_error", "fsync_dir", "is_temp_name", "start_writeback",
-           "typed_io_errors"]
+           "temp_name", "typed_io_errors"]
 
 _TMP_SUFFIX = ".tmp"
 
 
+def temp_name(name: str) -> str:
+    """The temporary name a file ``name`` is written under before it is published.
+
+    The one convention of every backend (``.<name>.<8 hex>.tmp``, in the same
+    directory), so listings, validators and clean-up recognise leftovers of a
+    killed writer with :func:`is_temp_name`. Example: ``temp_name("a.json")``
+    is ``".a.json.3f9c01ab.tmp"``.
+    """
+    return f".{name}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+
+
 def is_temp_name(name: str) -> bool:
-    """True for the temporary names :func:`atomic_local_writer` uses."""
+    """True for the temporary names of :func:`temp_name` (a base name, not a path)."""
     return name.startswith(".") and name.endswith(_TMP_SUFFIX)
 
 
@@ -173,7 +184,7 @@ def atomic_local_writer(path: str, durable: bool = True) -> Iterator[BinaryIO]:
     permission, in the block or here, raises ``CheckpointIOError``.
     """
     directory, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
+    tmp = os.path.join(directory, temp_name(name))
     with typed_io_errors(path, "create a temporary file in the directory of",
                          "Nothing was written: every file already there is untouched."):
         raw = open(tmp, "xb", buffering=0)

@@ -34,7 +34,7 @@ from shardkit import knobs
 from shardkit.dtypes import itemsize_bytes, to_safetensors_name
 from shardkit.errors import ChecksumError
 from shardkit.storage.atomic import start_writeback
-from shardkit.storage.backend import LocalStorage, Storage
+from shardkit.storage.base import Storage
 from shardkit.storage.checksum import BlockHasher, FileRecord
 from shardkit.storage.direct_io import open_direct_sink
 from shardkit.storage.safetensors_header import build_header
@@ -97,7 +97,7 @@ def write_safetensors(
     # One hashing worker keeps the updates in file order.
     with ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash") as hashing:
         with storage.atomic_writer(path, durable) as f:
-            sink = _sink(storage, f, durable, checksum)
+            sink = storage.open_sink(f, durable, checksum)
             try:
                 for view, lazy in _views(header, order):
                     for start in range(0, len(view), knobs.IO_CHUNK_BYTES):
@@ -141,35 +141,12 @@ def _views(header: bytes, order: list[tuple[str, TensorLike]]):
         yield byte_view(_materialise(t)), isinstance(t, LazyTensor)
 
 
-def _sink(storage: Storage, f, durable: bool, checksum: bool):
-    """Direct I/O for durable local writes where the file system takes it (hashing the bytes it
-    writes when ``checksum``), else positional buffered writes; one stream for other stores."""
-    if not isinstance(storage, LocalStorage):
-        return _StreamSink(f)
+def _local_sink(fd: int, durable: bool, checksum: bool = False):
+    """Direct I/O for durable writes where the file system takes it (hashing the bytes it writes
+    when ``checksum``), else positional buffered writes (``LocalStorage.open_sink``)."""
     hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES) if checksum else None
-    direct = open_direct_sink(f.fileno(), hasher) if durable else None
-    return direct if direct is not None else _PositionalSink(f.fileno(), durable)
-
-
-class _StreamSink:
-    """Sequential writes to a file object (fsspec and other stores)."""
-
-    hasher = None  # writes the caller's memory itself: the source's hashes are the written bytes'
-
-    def __init__(self, f):
-        self._f = f
-
-    def write(self, piece: memoryview) -> None:
-        written = 0
-        while written < len(piece):
-            n = self._f.write(piece[written:])
-            written += len(piece) - written if n is None else n
-
-    def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    direct = open_direct_sink(fd, hasher) if durable else None
+    return direct if direct is not None else _PositionalSink(fd, durable)
 
 
 class _PositionalSink:

@@ -1,0 +1,223 @@
+"""The storage interface: :class:`Storage` (a place that holds files) and :class:`Reader` (an open file).
+
+Backends implement it, one per file: ``storage.local`` (plain files) and
+``storage.fsspec_store`` (any fsspec URL: object stores, memory). Callers
+use only these methods and never test which backend they have;
+:func:`shardkit.storage.storage_for` picks one from a path.
+
+Example::
+
+    store, root = storage_for("/ckpt/step-100")
+    with store.atomic_writer(store.join(root, "metadata.json")) as f:
+        f.write(b"{}")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from typing import BinaryIO
+
+__all__ = ["Reader", "Storage", "StreamSink"]
+
+
+class Reader:
+    """An open file that reads at explicit offsets (no shared seek position for local files)."""
+
+    def __init__(self, name: str, size_bytes: int):
+        self.name = name
+        self.size_bytes = size_bytes
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        raise NotImplementedError
+
+    def read(self, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.read_into(offset, memoryview(buf))
+        return bytes(buf)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _short(self, offset: int, wanted: int, got: int) -> EOFError:
+        return EOFError(
+            f"{self.name}: wanted {wanted} bytes at offset {offset}, the file ended after {got}; "
+            f"it is truncated (size now {self.size_bytes} bytes)"
+        )
+
+
+class StreamSink:
+    """Sequential writes to a file object: the write method of stores without a faster one.
+
+    ``write`` takes every byte of ``piece`` before it returns (the caller may
+    reuse the memory); ``drain`` and ``close`` have nothing left to wait for.
+    """
+
+    hasher = None  # writes the caller's memory itself: the source's hashes are the written bytes'
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, piece: memoryview) -> None:
+        written = 0
+        while written < len(piece):
+            n = self._f.write(piece[written:])
+            written += len(piece) - written if n is None else n
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Storage:
+    """The operations shardkit needs from a place that holds files.
+
+    Paths are strings as the backend spells them (see ``storage_for``); a
+    "directory" on an object store is a key prefix. Each backend picks its
+    own way to move bytes (:meth:`open_sink`, :meth:`open_reader`), so
+    callers never test which backend they have.
+    """
+
+    def join(self, *parts: str) -> str:
+        raise NotImplementedError
+
+    def exists(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def size_bytes(self, path: str) -> int:
+        raise NotImplementedError
+
+    def makedirs(self, path: str) -> None:
+        raise NotImplementedError
+
+    def listdir(self, path: str) -> list[str]:
+        """Base names of the entries directly inside ``path``."""
+        raise NotImplementedError
+
+    def remove(self, path: str) -> None:
+        raise NotImplementedError
+
+    def isdir(self, path: str) -> bool:
+        """True if ``path`` is a directory (on an object store: a prefix that holds objects)."""
+        raise NotImplementedError
+
+    def remove_tree(self, path: str) -> None:
+        """Delete ``path`` and everything under it; a missing ``path`` is not an error."""
+        raise NotImplementedError
+
+    def modified_time(self, path: str) -> float:
+        """When the file at ``path`` was last written, in seconds since the epoch."""
+        raise NotImplementedError
+
+    def same_path(self, path: str) -> str:
+        """A spelling of ``path`` that compares equal for equal places (local: the real path)."""
+        return path.rstrip("/")
+
+    def open_file(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        """A seekable binary file object reading ``path``, for libraries that want one
+        (``torch.load``, ``zipfile``). Prefer :meth:`open_reader` for byte ranges."""
+        raise NotImplementedError
+
+    def open_sink(self, f: BinaryIO, durable: bool = True, checksum: bool = False):
+        """The fastest way this store takes a file's bytes in order, given the file
+        object :meth:`atomic_writer` yielded: an object with ``write(piece)``,
+        ``drain()`` (wait for what was handed over), ``close()`` and ``hasher``.
+
+        ``hasher`` is a ``BlockHasher`` of the bytes the sink wrote from its own
+        buffers when ``checksum`` is asked and the sink copies (the local
+        ``O_DIRECT`` sink), so the writer records what reached the file; None
+        when the sink writes the caller's memory itself.
+
+        The default writes to ``f`` in sequence (:class:`StreamSink`); the local
+        backend writes positionally or with ``O_DIRECT``, object stores upload
+        parts in parallel behind ``f`` itself.
+
+        Example::
+
+            with store.atomic_writer(path) as f:
+                sink = store.open_sink(f)
+                try:
+                    sink.write(memoryview(data))
+                finally:
+                    sink.close()
+        """
+        return StreamSink(f)
+
+    def remove_orphans(self, directory: str) -> list[str]:
+        """Delete what killed writers left in ``directory``; return what was removed.
+
+        Leftovers are files under a temporary name (``storage.is_temp_name``)
+        and, on object stores, multipart uploads never completed (invisible
+        to readers, but billed). None of them ever makes a checkpoint look
+        complete; this only reclaims space. Call it only when no save into
+        ``directory`` is running: a running save's files look the same.
+        """
+        from shardkit.storage.atomic import is_temp_name
+
+        if not self.isdir(directory):
+            return []
+        removed = [self.join(directory, n) for n in self.listdir(directory) if is_temp_name(n)]
+        for path in removed:
+            self.remove(path)
+        return removed
+
+    def open_reader(self, path: str) -> Reader:
+        raise NotImplementedError
+
+    def atomic_writer(self, path: str, durable: bool = True) -> contextlib.AbstractContextManager[BinaryIO]:
+        """A file that appears at ``path`` whole when the block exits cleanly, or not at all.
+
+        ``durable``: also flushed to stable storage before it appears (local
+        files: fsync of the file and its directory); where the store has no
+        such step the flag changes nothing.
+        """
+        raise NotImplementedError
+
+    def writer_lock(self, directory: str, *, slot: int = 0, holder: str = "") -> contextlib.AbstractContextManager:
+        """Hold the exclusive writer lock ``slot`` of ``directory`` for a ``with`` block.
+
+        Creates ``directory`` if needed. A second holder of the same slot
+        fails at once with :class:`~shardkit.errors.CheckpointBusyError`,
+        whose message names the first (pid, host, since when, ``holder``);
+        it never waits. Slots are independent (a distributed save takes one
+        per rank; slot 0 is the directory's main writer, also taken by HF
+        saves). Local files: an ``flock``'d hidden file (see ``storage.lock``;
+        :func:`~shardkit.storage.is_lock_name` names it) that the kernel
+        releases when its holder dies. Stores without locks (fsspec, object
+        stores) hold nothing: one writer per directory is then the caller's
+        to ensure.
+
+        Example::
+
+            with store.writer_lock(root, holder="my export"):
+                ...  # write the files of the checkpoint in root
+        """
+        raise NotImplementedError
+
+    def map_private(self, path: str) -> "mmap.mmap | None":
+        """A copy-on-write memory map of the whole file, or None where files cannot be mapped.
+
+        Writes through the map never reach the file. Only local files can be
+        mapped; remote storage returns None and callers read instead.
+        """
+        return None
+
+    def read_bytes(self, path: str, *, max_bytes: int) -> bytes:
+        """The whole file, refusing one larger than ``max_bytes``."""
+        with self.open_reader(path) as r:
+            if r.size_bytes > max_bytes:
+                from shardkit.errors import MetadataError
+
+                raise MetadataError(
+                    f"{path} is {r.size_bytes} bytes, over the limit of {max_bytes} for this kind "
+                    f"of file; it is not a file shardkit wrote, or it is corrupt"
+                )
+            return r.read(0, r.size_bytes)

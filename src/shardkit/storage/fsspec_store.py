@@ -1,0 +1,305 @@
+"""Any fsspec filesystem (``s3://``, ``gs://``, ``memory://``, ...) behind the storage interface.
+
+Writes: object stores (S3, GCS, Azure) publish an object only when its
+upload completes, so a file is written straight to its final key and
+appears whole or not at all; a writer that fails discards its upload, and
+one that is killed leaves at most an incomplete multipart upload, which no
+listing or read ever sees (``Storage.remove_orphans`` aborts those; a
+bucket lifecycle rule ``AbortIncompleteMultipartUpload`` does it for you).
+On S3 the parts go up ``knobs.OBJECT_PARTS_IN_FLIGHT`` at a time. Other
+fsspec stores (``memory://``, sftp, ...) are written under
+``storage.temp_name`` and moved to the final name.
+
+Reads fetch exactly the byte ranges asked for (ranged GETs, split into
+``knobs.OBJECT_PART_BYTES`` parts fetched concurrently), never a whole
+object or a read-ahead block: :func:`fetched_bytes` counts them.
+
+Configuration (endpoint, credentials) is fsspec's own: ``fsspec.config.conf``
+or ``FSSPEC_S3_ENDPOINT_URL``-style environment variables, or botocore's
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...).
+
+Example::
+
+    store = FsspecStorage("s3://bucket/ckpt")
+    with store.atomic_writer("s3://bucket/ckpt/metadata.json") as f:
+        f.write(b"{}")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import BinaryIO, Iterator
+
+from shardkit import knobs
+from shardkit.errors import MissingShardError
+from shardkit.storage.atomic import temp_name
+from shardkit.storage.base import Reader, Storage
+
+__all__ = ["FsspecStorage", "fetched_bytes"]
+
+#: Protocols whose stores publish an object only when its upload completes.
+_PUBLISH_ON_CLOSE = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+_S3 = frozenset({"s3", "s3a"})
+
+_fetched_lock = threading.Lock()
+_fetched = [0]
+
+
+def fetched_bytes() -> int:
+    """Bytes this process has fetched through :class:`FsspecStorage` readers so far.
+
+    A diagnostic (tests count what a resharding rank downloads). Example::
+
+        before = fetched_bytes(); load_distributed(...); print(fetched_bytes() - before)
+    """
+    with _fetched_lock:
+        return _fetched[0]
+
+
+def _count_fetched(n: int) -> None:
+    with _fetched_lock:
+        _fetched[0] += n
+
+
+class _RangeReader(Reader):
+    """Ranged reads of one object; large reads are split into parts fetched concurrently.
+
+    Thread-safe: no shared file position, each read is its own request(s).
+    """
+
+    def __init__(self, name: str, fs, key: str, size_bytes: int):
+        super().__init__(name, size_bytes)
+        self._fs, self._key = fs, key
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        out = out.cast("B") if out.format != "B" else out
+        wanted = len(out)
+        if wanted == 0:
+            return
+        if offset + wanted > self.size_bytes:
+            raise self._short(offset, wanted, max(0, self.size_bytes - offset))
+        part = max(1, knobs.OBJECT_PART_BYTES)
+        starts = list(range(offset, offset + wanted, part))
+        ends = [min(s + part, offset + wanted) for s in starts]
+        if len(starts) == 1:
+            pieces = [self._fs.cat_file(self._key, start=starts[0], end=ends[0])]
+        else:
+            pieces = self._fs.cat_ranges([self._key] * len(starts), starts, ends, on_error="raise")
+        done = 0
+        for start, end, piece in zip(starts, ends, pieces):
+            if isinstance(piece, BaseException):
+                raise piece
+            got = len(piece)
+            out[start - offset : start - offset + got] = piece
+            done += got
+            if got != end - start:
+                raise self._short(offset, wanted, done)
+        _count_fetched(done)
+
+
+class _S3MultipartWriter:
+    """A write-only file whose bytes become one S3 object when :meth:`commit` completes.
+
+    Buffers ``knobs.OBJECT_PART_BYTES`` per part and uploads up to
+    ``knobs.OBJECT_PARTS_IN_FLIGHT`` parts at once; a file smaller than one
+    part is one PUT at commit. Nothing is visible under the key before
+    ``complete_multipart_upload``; :meth:`abort` drops the parts.
+    """
+
+    def __init__(self, fs, key: str):
+        self._fs = fs
+        self._bucket, self._key, _ = fs.split_path(key)
+        self._part_bytes = max(5 * 1024 * 1024, knobs.OBJECT_PART_BYTES)
+        self._buf = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[Future] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._written = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        taken = 0
+        while taken < len(view):
+            room = self._part_bytes - len(self._buf)
+            chunk = view[taken : taken + room]
+            self._buf += chunk
+            taken += len(chunk)
+            if len(self._buf) >= self._part_bytes:
+                self._send_part()
+        self._written += taken
+        return taken
+
+    def tell(self) -> int:
+        return self._written
+
+    def flush(self) -> None:
+        pass
+
+    def _send_part(self) -> None:
+        if self._upload_id is None:
+            self._upload_id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)["UploadId"]
+            self._pool = ThreadPoolExecutor(max(1, knobs.OBJECT_PARTS_IN_FLIGHT), thread_name_prefix="shardkit-s3-part")
+        in_flight = max(1, knobs.OBJECT_PARTS_IN_FLIGHT)
+        while sum(not f.done() for f in self._parts) >= in_flight:
+            next(f for f in self._parts if not f.done()).result()
+        body, self._buf = bytes(self._buf), bytearray()
+        number = len(self._parts) + 1
+        self._parts.append(self._pool.submit(self._upload_part, number, body))
+
+    def _upload_part(self, number: int, body: bytes) -> dict:
+        out = self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key, PartNumber=number,
+                               UploadId=self._upload_id, Body=body)
+        return {"PartNumber": number, "ETag": out["ETag"]}
+
+    def commit(self) -> None:
+        if self._upload_id is None:  # small: one PUT publishes it whole
+            self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._buf))
+            self._buf = bytearray()
+        else:
+            if self._buf:
+                self._send_part()
+            parts = [f.result() for f in self._parts]
+            self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
+                             UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+            self._pool.shutdown(wait=True)
+        self._fs.invalidate_cache(f"{self._bucket}/{self._key}")
+
+    def abort(self) -> None:
+        if self._pool is not None:
+            for f in self._parts:
+                f.cancel()
+            self._pool.shutdown(wait=True)
+        if self._upload_id is not None:
+            with contextlib.suppress(Exception):
+                self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id)
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem: object stores publish on upload completion, others by a move."""
+
+    def __init__(self, url: str):
+        import fsspec
+
+        # Listings are never cached: another rank or process may have written since.
+        self.fs, _ = fsspec.core.url_to_fs(url, use_listings_cache=False)
+        self._protocol = url.split("://", 1)[0]
+
+    def _strip(self, path: str) -> str:
+        return self.fs._strip_protocol(path)
+
+    def join(self, *parts: str) -> str:
+        return "/".join(p.rstrip("/") for p in parts)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(self._strip(path))
+
+    def size_bytes(self, path: str) -> int:
+        return int(self.fs.size(self._strip(path)))
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(self._strip(path), exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            entries = self.fs.ls(self._strip(path), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in entries})
+
+    def remove(self, path: str) -> None:
+        self.fs.rm(self._strip(path))
+
+    def isdir(self, path: str) -> bool:
+        return self.fs.isdir(self._strip(path))
+
+    def remove_tree(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._strip(path), recursive=True)
+
+    def modified_time(self, path: str) -> float:
+        return self.fs.modified(self._strip(path)).timestamp()
+
+    def same_path(self, path: str) -> str:
+        return f"{self._protocol}://{self._strip(path).rstrip('/')}"
+
+    def open_file(self, path: str):
+        try:
+            return self.fs.open(self._strip(path), "rb", block_size=knobs.OBJECT_PART_BYTES)
+        except FileNotFoundError as e:
+            raise MissingShardError(f"{path} does not exist") from e
+
+    def open_reader(self, path: str) -> Reader:
+        stripped = self._strip(path)
+        try:
+            size = int(self.fs.size(stripped))
+        except FileNotFoundError as e:
+            raise MissingShardError(f"{path} does not exist") from e
+        return _RangeReader(path, self.fs, stripped, size)
+
+    def writer_lock(self, directory: str, *, slot: int = 0, holder: str = ""):
+        # No advisory locks on object stores, and a marker object would stay behind a
+        # killed writer and block every later save: nothing is held here (documented
+        # in Storage.writer_lock), only the directory is made, as the local lock does.
+        self.makedirs(directory)
+        return contextlib.nullcontext()
+
+    def atomic_writer(self, path: str, durable: bool = True):
+        # Stores persist on close; ``durable`` changes nothing here.
+        if self._protocol in _S3:
+            return self._s3_writer(self._strip(path))
+        if self._protocol in _PUBLISH_ON_CLOSE:
+            return self._direct_writer(self._strip(path))
+        return self._moved_writer(self._strip(path))
+
+    @contextlib.contextmanager
+    def _s3_writer(self, key: str) -> Iterator[BinaryIO]:
+        f = _S3MultipartWriter(self.fs, key)
+        try:
+            yield f
+            f.commit()
+        except BaseException:
+            f.abort()
+            raise
+
+    @contextlib.contextmanager
+    def _direct_writer(self, key: str) -> Iterator[BinaryIO]:
+        f = self.fs.open(key, "wb", block_size=knobs.OBJECT_PART_BYTES)
+        try:
+            yield f
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.discard()  # drop the upload: closing would publish what was written so far
+            with contextlib.suppress(Exception):
+                f.closed = True  # and never closed (published) later by the garbage collector
+            raise
+        f.close()
+
+    @contextlib.contextmanager
+    def _moved_writer(self, key: str) -> Iterator[BinaryIO]:
+        parent, _, name = key.rpartition("/")
+        tmp = f"{parent}/{temp_name(name)}" if parent else temp_name(name)
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                yield f
+            self.fs.mv(tmp, key)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.rm(tmp)
+            raise
+
+    def remove_orphans(self, directory: str) -> list[str]:
+        removed = super().remove_orphans(directory)
+        if self._protocol in _S3:
+            removed += self._abort_uploads(self._strip(directory))
+        return removed
+
+    def _abort_uploads(self, directory_key: str) -> list[str]:
+        bucket, _, key = directory_key.rstrip("/").partition("/")
+        listed = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key + "/" if key else "")
+        aborted = []
+        for upload in listed.get("Uploads", []):
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+            aborted.append(f"{self._protocol}://{bucket}/{upload['Key']} (incomplete upload)")
+        return aborted
