@@ -1,6 +1,8 @@
 """Distributed checkpoints: every rank writes its shard; any world size loads them.
 
-The contract (ARCHITECTURE.md): :func:`save_distributed`,
+The training-loop API (shaped like ``torch.distributed.checkpoint``):
+:func:`save`, :func:`load`, :func:`async_save` take DTensor / FSDP2 / TP
+state dicts as they are (``checkpoint/api.py``). The lower-level contract (ARCHITECTURE.md): :func:`save_distributed`,
 :func:`load_distributed` (reshards when the world size differs),
 :func:`reshard`, :func:`load_region`, :func:`load_consolidated`,
 :func:`validate_distributed`, :func:`compute_shard_sizes`,
@@ -22,8 +24,14 @@ from shardkit.checkpoint.spec import ShardMetadata, TensorShardSpec, flat_shard_
 from shardkit.checkpoint.validate import ValidationReport, validate_distributed
 from shardkit.layout import compute_shard_sizes
 from shardkit.checkpoint.async_save import AsyncCheckpointer, AsyncWaitTimeout, CheckpointFuture
+# Last: binds the package attribute ``save`` to the function (``checkpoint/save.py``, the module of
+# that name, is already imported above and stays reachable as sys.modules["shardkit.checkpoint.save"]).
+from shardkit.checkpoint.api import async_save, load, save
 
 __all__ = [
+    "save",
+    "load",
+    "async_save",
     "TensorShardSpec",
     "ShardMetadata",
     "compute_shard_sizes",

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit import knobs
+from shardkit.checkpoint.chunks import Chunk, chunks_to_json, parse_chunks
 from shardkit.checkpoint.spec import TensorShardSpec, check_spec
-from shardkit.dtypes import NAME_TO_DTYPE
+from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
 from shardkit.storage import FileRecord, Storage, check_relative_name, parse_json_object
 
@@ -54,7 +55,8 @@ __all__ = [
 FORMAT = "shardkit.distributed"
 RANK_FORMAT = "shardkit.distributed.rank"
 FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+CHUNKED_VERSION = 2          # every tensor described by its chunks (checkpoint/chunks.py, docs/format.md)
+SUPPORTED_VERSIONS = (1, 2)
 METADATA_FILE = "metadata.json"
 
 
@@ -68,11 +70,16 @@ def rank_manifest_name(rank: int) -> str:
 
 @dataclass(frozen=True)
 class SavedTensor:
-    """A saved tensor: its layout, dtype name (None in seed format: read the header) and owner."""
+    """A saved tensor: its layout, dtype name (None in seed format: read the header) and owner.
+
+    Version 2 tensors carry ``chunks`` (their spec is then the full shape, replicated); older
+    ones are upgraded to chunks by ``plan.saved_chunks``.
+    """
 
     spec: TensorShardSpec
     dtype: str | None
     owner_rank: int | None = None
+    chunks: tuple[Chunk, ...] | None = None
 
 
 @dataclass
@@ -90,6 +97,8 @@ class Manifest:
 
 
 def manifest_to_json(m: Manifest) -> dict:
+    if any(t.chunks is not None for t in m.tensors.values()):
+        return _chunked_to_json(m)
     specs = {}
     for name, t in m.tensors.items():
         entry = {"full_shape": list(t.spec.full_shape), "shard_dim": t.spec.shard_dim,
@@ -102,6 +111,16 @@ def manifest_to_json(m: Manifest) -> dict:
         "tensor_specs": specs, "files": {f: r.to_json() for f, r in sorted(m.files.items())},
         "objects": m.objects, "structure": m.structure, "user_metadata": m.user_metadata,
         **({"save_id": m.save_id} if m.save_id else {}),
+    }
+
+
+def _chunked_to_json(m: Manifest) -> dict:
+    specs = {name: {"full_shape": list(t.spec.full_shape), "dtype": t.dtype, "chunks": chunks_to_json(t.chunks)}
+             for name, t in m.tensors.items()}
+    return {
+        "format": FORMAT, "format_version": CHUNKED_VERSION, "num_ranks": m.num_ranks,
+        "tensor_specs": specs, "files": {f: r.to_json() for f, r in sorted(m.files.items())},
+        "objects": m.objects, "structure": m.structure, "user_metadata": m.user_metadata,
     }
 
 
@@ -176,6 +195,8 @@ def _check_version(source: str, obj: dict, expected_format: str) -> int | None:
 
 
 def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int | None) -> SavedTensor:
+    if version == CHUNKED_VERSION:
+        return _chunked_tensor(source, name, raw, num_ranks)
     spec = TensorShardSpec(tuple(raw["full_shape"]), raw["shard_dim"], tuple(raw.get("shard_sizes") or ()))
     check_spec(name, spec, num_ranks, source=source)
     dtype = raw.get("dtype")
@@ -189,6 +210,25 @@ def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int
             raise MetadataError(
                 f"{source}: replicated tensor {name!r} has owner_rank {owner!r}; expected 0..{num_ranks - 1}")
     return SavedTensor(spec, dtype, owner if spec.shard_dim is None else None)
+
+
+def _chunked_tensor(source: str, name: str, raw: Any, num_ranks: int) -> SavedTensor:
+    spec = TensorShardSpec(tuple(raw["full_shape"]), None, ())
+    check_spec(name, spec, 1, source=source)
+    dtype = raw.get("dtype")
+    if dtype not in NAME_TO_DTYPE:
+        raise MetadataError(f"{source}: tensor {name!r} has dtype {dtype!r}; known: {', '.join(NAME_TO_DTYPE)}")
+    chunks = parse_chunks(source, name, raw.get("chunks"), spec.full_shape, itemsize_bytes(NAME_TO_DTYPE[dtype]),
+                          lambda f: _data_file(source, f, num_ranks))
+    return SavedTensor(spec, dtype, None, chunks)
+
+
+def _data_file(source: str, file: Any, num_ranks: int) -> str:
+    digits = file[len("rank_"):-len(".safetensors")] if isinstance(file, str) else ""
+    if not (digits.isdigit() and digits.isascii() and file == data_file_name(int(digits)) and int(digits) < num_ranks):
+        raise MetadataError(f"{source} places a chunk in {file!r}; the data files of a checkpoint of {num_ranks} "
+                            f"ranks are rank_0.safetensors .. rank_{num_ranks - 1}.safetensors")
+    return file
 
 
 def rank_manifest_json(rank: int, num_ranks: int, records: dict[str, FileRecord], save_id: str | None = None) -> dict:
