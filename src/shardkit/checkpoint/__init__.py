@@ -27,11 +27,13 @@ from shardkit.checkpoint.async_save import AsyncCheckpointer, AsyncWaitTimeout, 
 # Last: binds the package attribute ``save`` to the function (``checkpoint/save.py``, the module of
 # that name, is already imported above and stays reachable as sys.modules["shardkit.checkpoint.save"]).
 from shardkit.checkpoint.api import async_save, load, save
+from shardkit.checkpoint.manager import CheckpointManager
 
 __all__ = [
     "save",
     "load",
     "async_save",
+    "CheckpointManager",
     "TensorShardSpec",
     "ShardMetadata",
     "compute_shard_sizes",

@@ -46,7 +46,7 @@ from shardkit.checkpoint.staging import stage
 from shardkit.errors import AsyncCheckpointError, TensorMismatchError
 from shardkit.storage import storage_for
 
-__all__ = ["save", "load", "async_save", "resolve_world"]
+__all__ = ["save", "load", "async_save", "resolve_world", "start_background", "background_coordinator"]
 
 
 def resolve_world(group):
@@ -144,7 +144,7 @@ _BACKGROUND_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _BACKGROUND_LOCK = threading.Lock()
 
 
-def _background_coordinator(group, coordinator, rank: int, world_size: int):
+def background_coordinator(group, coordinator, rank: int, world_size: int):
     """A group of its own for the background thread's collectives, made once per training group."""
     import torch.distributed as dist
 
@@ -173,21 +173,30 @@ def async_save(state_dict, dir, *, group=None, metadata=None) -> CheckpointFutur
     """
     coordinator, rank, world_size = resolve_world(group)
     prep = prepare(state_dict, coordinator, rank, world_size, metadata)
-    background = _background_coordinator(group, coordinator, rank, world_size)
+    background = background_coordinator(group, coordinator, rank, world_size)
     prep.to_write, _ = stage(prep.to_write, {})
+    return start_background(prep, dir, background)
+
+
+def start_background(prep, dir, background, *, before_write=None, after=None) -> CheckpointFuture:
+    """Run ``write_and_commit`` for a prepared, staged save on a new thread; ``after()`` runs there
+    once the save succeeded (the manager's rotation). The thread is not a daemon: a process whose
+    main thread ends still finishes the save before it exits."""
     storage, directory = storage_for(dir)
-    future = CheckpointFuture(os.fspath(dir), f"background checkpoint save (rank {rank})")
+    future = CheckpointFuture(os.fspath(dir), f"background checkpoint save (rank {prep.rank})")
 
     def run():
         error = None
         try:
-            write_and_commit(prep, storage, directory, background)
+            write_and_commit(prep, storage, directory, background, before_write)
+            if after is not None:
+                after()
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             error = e
         finally:
             future._finish(error)
 
-    thread = threading.Thread(target=run, name=f"shardkit-async-save-rank{rank}", daemon=False)
+    thread = threading.Thread(target=run, name=f"shardkit-async-save-rank{prep.rank}", daemon=False)
     try:
         thread.start()
     except RuntimeError as e:
