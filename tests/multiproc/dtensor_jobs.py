@@ -118,3 +118,27 @@ def ddp_load_job(rank, world_size, root):
     ckpt.load(sd, f"{root}/ddp")
     set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     return sd["step"], {n: _bytes(t) for n, t in local_values(state(model, optim)).items()}
+
+
+def train_loop_job(rank, world_size, root, first_step, last_step, save_every):
+    """FSDP2 training with a CheckpointManager: resume from the latest complete step, train, save.
+
+    Every rank sees the same batch, so the loss does not depend on the world size.
+    Returns (the step resumed from, the losses of the steps run)."""
+    model, optim = parallel("fsdp", seed=1, world_size=world_size)
+    sd = state(model, optim)
+    train_step(model, optim, -1)      # creates Adam's state, overwritten by restore
+    sd = state(model, optim)
+    losses = {}
+    with ckpt.CheckpointManager(root, keep_last=2) as mgr:
+        resumed = mgr.restore(sd)
+        if resumed is not None:
+            set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        else:
+            model, optim = parallel("fsdp", seed=1, world_size=world_size)   # a fresh run
+        start = first_step if resumed is None else sd["step"]
+        for step in range(start, last_step):
+            losses[step] = train_step(model, optim, step)
+            if (step + 1) % save_every == 0:
+                mgr.save(step, {**state(model, optim), "step": step + 1})
+    return resumed, losses

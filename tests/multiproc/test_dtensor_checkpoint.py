@@ -9,10 +9,11 @@ Adam moments, bit for bit.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from ranks import run_ranks
-from dtensor_jobs import ddp_load_job, ddp_save_job, load_compare_job, save_job
+from dtensor_jobs import ddp_load_job, ddp_save_job, load_compare_job, save_job, train_loop_job
 from shardkit.checkpoint import validate_distributed
 
 pytestmark = pytest.mark.multiproc
@@ -58,3 +59,16 @@ def test_ddp_plain_tensors_3_to_2(tmp_path):
         assert values.keys() == saved[0].keys()
         for n, t in values.items():
             assert t == saved[0][n], n
+
+
+def test_training_resumes_on_another_world_size_with_the_same_losses(tmp_path):
+    """4 ranks train steps 0..5 (saving every 2), the job ends; 2 ranks resume and train to 8.
+    The losses of steps 6..7 equal those of an uninterrupted 4-rank run of 0..7."""
+    straight = run_ranks(train_loop_job, 4, tmp_path, str(tmp_path / "a"), 0, 8, 100)[0][1]
+    first = run_ranks(train_loop_job, 4, tmp_path, str(tmp_path / "b"), 0, 6, 2)
+    assert first[0][0] is None and sorted(first[0][1]) == list(range(6))
+    assert sorted(os.listdir(tmp_path / "b")) == ["step-3", "step-5"]          # keep_last=2
+    resumed = run_ranks(train_loop_job, 2, tmp_path, str(tmp_path / "b"), 0, 8, 100)
+    for step_from, losses in resumed:
+        assert step_from == 5 and sorted(losses) == [6, 7]
+        assert [losses[s] for s in (6, 7)] == [straight[s] for s in (6, 7)], (losses, straight)
