@@ -42,6 +42,7 @@ from shardkit.checkpoint.dtensor_layout import local_box
 from shardkit.checkpoint.group import resolve_group
 from shardkit.checkpoint.load_into import _leaves, _replace_plain, load_into
 from shardkit.checkpoint.manifest import read_manifest
+from shardkit.checkpoint.shutdown import join_at_exit
 from shardkit.checkpoint.staging import stage
 from shardkit.errors import AsyncCheckpointError, TensorMismatchError
 from shardkit.storage import storage_for
@@ -142,6 +143,7 @@ def _check_names(names: set[str], m, strict: bool) -> None:
 
 _BACKGROUND_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _BACKGROUND_LOCK = threading.Lock()
+_LAST_THREAD: dict[int, threading.Thread] = {}     # id(background coordinator) -> its latest save thread
 
 
 def background_coordinator(group, coordinator, rank: int, world_size: int):
@@ -166,7 +168,9 @@ def async_save(state_dict, dir, *, group=None, metadata=None) -> CheckpointFutur
     copy; the writing and the commit run on a background thread over a Gloo
     group of their own (made once per ``group``, at the first call: every
     rank calls ``async_save`` at the same point), so they never interleave
-    with training's collectives. ``future.wait()`` raises
+    with training's collectives. A save started while another is in flight
+    queues behind it (saves run in the order started, never two at once).
+    ``future.wait()`` raises
     :class:`AsyncCheckpointError` if the save failed.
 
     >>> future = async_save(state, "/ckpt/step-8"); train(); future.wait()
@@ -184,10 +188,17 @@ def start_background(prep, dir, background, *, before_write=None, after=None) ->
     main thread ends still finishes the save before it exits."""
     storage, directory = storage_for(dir)
     future = CheckpointFuture(os.fspath(dir), f"background checkpoint save (rank {prep.rank})")
+    key = id(getattr(background, "pg", None) or getattr(background, "process_group", None) or background)
+    with _BACKGROUND_LOCK:
+        previous = _LAST_THREAD.get(key)
 
     def run():
         error = None
         try:
+            if previous is not None:
+                # Saves on one background group run in the order they were started (the same
+                # on every rank): two threads issuing collectives on one group would mismatch.
+                previous.join()
             write_and_commit(prep, storage, directory, background, before_write)
             if after is not None:
                 after()
@@ -197,9 +208,12 @@ def start_background(prep, dir, background, *, before_write=None, after=None) ->
             future._finish(error)
 
     thread = threading.Thread(target=run, name=f"shardkit-async-save-rank{prep.rank}", daemon=False)
-    try:
-        thread.start()
-    except RuntimeError as e:
-        raise AsyncCheckpointError(f"could not start the background save thread: {e}") from e
+    with _BACKGROUND_LOCK:
+        try:
+            thread.start()
+        except RuntimeError as e:
+            raise AsyncCheckpointError(f"could not start the background save thread: {e}") from e
+        _LAST_THREAD[key] = thread
     future._thread = thread
+    join_at_exit(thread)
     return future
