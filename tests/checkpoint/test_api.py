@@ -157,3 +157,16 @@ def test_plan_covers_any_1d_split_once(sizes, cols, replicas):
     chosen = plan.tensors["w"].box_to_writer
     assert sum(b.numel for b in chosen) == sum(sizes) * cols
     assert all(boxes[r][0] == b.offsets for b, r in chosen.items())   # written by a rank holding it
+
+
+def test_validate_checks_the_recorded_byte_ranges(tmp_path):
+    ckpt.save({"w": W, "v": torch.ones(3)}, tmp_path)
+    meta = json.loads((tmp_path / "metadata.json").read_text())
+    a, b = meta["tensor_specs"]["w"]["chunks"][0], meta["tensor_specs"]["v"]["chunks"][0]
+    if a["byte_range"][0] < b["byte_range"][0]:
+        a, b = b, a                      # shift the later entry onto the earlier one's bytes
+    n = a["byte_range"][1] - a["byte_range"][0]
+    a["byte_range"] = [b["byte_range"][0], b["byte_range"][0] + n]
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    report = ckpt.validate_distributed(tmp_path)
+    assert not report.ok and "metadata.json records" in str(report)
