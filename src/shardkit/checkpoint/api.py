@@ -47,7 +47,8 @@ from shardkit.checkpoint.staging import stage
 from shardkit.errors import AsyncCheckpointError, TensorMismatchError
 from shardkit.storage import storage_for
 
-__all__ = ["save", "load", "async_save", "resolve_world", "start_background", "background_coordinator"]
+__all__ = ["save", "load", "async_save", "resolve_world", "start_background", "background_coordinator",
+           "stage_for_background"]
 
 
 def resolve_world(group):
@@ -143,7 +144,8 @@ def _check_names(names: set[str], m, strict: bool) -> None:
 
 _BACKGROUND_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _BACKGROUND_LOCK = threading.Lock()
-_LAST_THREAD: dict[int, threading.Thread] = {}     # id(background coordinator) -> its latest save thread
+_LAST_THREAD: dict[int, threading.Thread] = {}     # id(background group) -> its latest save thread
+_STAGING: dict[int, dict] = {}                      # id(background group) -> staging buffers to reuse
 
 
 def background_coordinator(group, coordinator, rank: int, world_size: int):
@@ -170,6 +172,8 @@ def async_save(state_dict, dir, *, group=None, metadata=None) -> CheckpointFutur
     rank calls ``async_save`` at the same point), so they never interleave
     with training's collectives. A save started while another is in flight
     queues behind it (saves run in the order started, never two at once).
+    The staging buffers (one CPU copy of this rank's boxes) are kept and
+    reused by the next save on the same group once this one has finished.
     ``future.wait()`` raises
     :class:`AsyncCheckpointError` if the save failed.
 
@@ -178,8 +182,25 @@ def async_save(state_dict, dir, *, group=None, metadata=None) -> CheckpointFutur
     coordinator, rank, world_size = resolve_world(group)
     prep = prepare(state_dict, coordinator, rank, world_size, metadata)
     background = background_coordinator(group, coordinator, rank, world_size)
-    prep.to_write, _ = stage(prep.to_write, {})
+    stage_for_background(prep, background)
     return start_background(prep, dir, background)
+
+
+def _key(background) -> int:
+    return id(getattr(background, "pg", None) or getattr(background, "process_group", None) or background)
+
+
+def stage_for_background(prep, background) -> None:
+    """Copy the tensors ``prep`` writes into CPU buffers, reusing the last save's on this background
+    group when it has finished (no allocation, no page faults: most of what a warm call blocks for).
+    The buffers (one CPU copy of this rank's boxes) are kept for the next save."""
+    key = _key(background)
+    with _BACKGROUND_LOCK:
+        previous = _LAST_THREAD.get(key)
+        buffers = _STAGING.pop(key, {}) if previous is None or not previous.is_alive() else {}
+    prep.to_write, used = stage(prep.to_write, buffers)
+    with _BACKGROUND_LOCK:
+        _STAGING[key] = used
 
 
 def start_background(prep, dir, background, *, before_write=None, after=None) -> CheckpointFuture:
@@ -188,7 +209,7 @@ def start_background(prep, dir, background, *, before_write=None, after=None) ->
     main thread ends still finishes the save before it exits."""
     storage, directory = storage_for(dir)
     future = CheckpointFuture(os.fspath(dir), f"background checkpoint save (rank {prep.rank})")
-    key = id(getattr(background, "pg", None) or getattr(background, "process_group", None) or background)
+    key = _key(background)
     with _BACKGROUND_LOCK:
         previous = _LAST_THREAD.get(key)
 

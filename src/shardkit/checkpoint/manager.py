@@ -37,11 +37,12 @@ import re
 import shutil
 import threading
 
-from shardkit.checkpoint.api import background_coordinator, load, resolve_world, start_background
+from shardkit.checkpoint.api import (
+    background_coordinator, load, resolve_world, stage_for_background, start_background,
+)
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.group import exchange
 from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
-from shardkit.checkpoint.staging import stage
 from shardkit.errors import CheckpointError, MetadataError
 from shardkit.storage import storage_for
 
@@ -112,7 +113,7 @@ class CheckpointManager:
         self._writing = step
         if self.async_save:
             background = background_coordinator(self.group, self._coordinator, self.rank, self.world_size)
-            prep.to_write, _ = stage(prep.to_write, {})
+            stage_for_background(prep, background)
             self._future = start_background(prep, directory, background, before_write=clear, after=self._after_save)
             return
         storage, path = storage_for(directory)
