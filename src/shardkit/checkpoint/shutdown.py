@@ -47,7 +47,10 @@ def _register() -> None:
         # pool ("cannot schedule new futures after interpreter shutdown"). threading's own exit
         # hooks run newest first, so this one (registered after concurrent.futures imported)
         # finishes the saves while their pools still work.
-        threading._register_atexit(_join_saves)
+        try:
+            threading._register_atexit(_join_saves)
+        except RuntimeError:
+            pass  # already shutting down (a save started from an exit hook): atexit still joins it
         _registered = True
 
 
