@@ -170,3 +170,17 @@ def test_validate_checks_the_recorded_byte_ranges(tmp_path):
     (tmp_path / "metadata.json").write_text(json.dumps(meta))
     report = ckpt.validate_distributed(tmp_path)
     assert not report.ok and "metadata.json records" in str(report)
+
+
+def test_rank_state_round_trip_and_reserved_names(tmp_path):
+    rng = {"torch": torch.get_rng_state(), "pos": 17}
+    ckpt.save({"w": W}, tmp_path, rank_state=rng)
+    restored = {"torch": torch.zeros_like(rng["torch"]), "pos": 0}
+    target = {"w": torch.zeros(7, 3)}
+    ckpt.load(target, tmp_path, rank_state=restored)          # strict: rank state is not "unexpected"
+    assert torch.equal(restored["torch"], rng["torch"]) and restored["pos"] == 17
+    ckpt.load(target, tmp_path)                               # without rank_state: ignored
+    with pytest.raises(TensorMismatchError, match="reserved"):
+        ckpt.save({"__rank_state__": {"x": W}}, tmp_path / "bad")
+    assert ckpt.validate_distributed(tmp_path).ok
+    assert set(ckpt.load_distributed(tmp_path, 0, 1)) >= {"w"}

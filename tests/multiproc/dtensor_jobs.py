@@ -101,7 +101,7 @@ def ddp_save_job(rank, world_size, root):
     model(torch.ones(2, 6)).sum().backward()
     optim.step()
     sd = state(model, optim, step=3)
-    ckpt.save(sd, f"{root}/ddp")
+    ckpt.save(sd, f"{root}/ddp", rank_state={"rng": torch.full((4,), rank, dtype=torch.int64), "pos": 10 * rank})
     return {n: _bytes(t) for n, t in local_values(sd).items()}
 
 
@@ -115,9 +115,15 @@ def ddp_load_job(rank, world_size, root):
     model = torch.nn.Linear(6, 5)
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     sd = state(model, optim)
-    ckpt.load(sd, f"{root}/ddp")
+    import warnings
+
+    rank_state = {"rng": torch.full((4,), -1, dtype=torch.int64), "pos": -1}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt.load(sd, f"{root}/ddp", rank_state=rank_state)
     set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    return sd["step"], {n: _bytes(t) for n, t in local_values(state(model, optim)).items()}
+    got = (rank_state["rng"].tolist(), rank_state["pos"], [str(w.message) for w in caught if "rank_state" in str(w.message)])
+    return sd["step"], {n: _bytes(t) for n, t in local_values(state(model, optim)).items()}, got
 
 
 def train_loop_job(rank, world_size, root, first_step, last_step, save_every):

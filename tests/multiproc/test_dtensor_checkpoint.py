@@ -50,15 +50,20 @@ def test_replicated_boxes_written_once_and_spread(tmp_path):
     assert len(writers) >= 3, writers   # 2 replicas of each box: the writing is spread over ranks
 
 
-def test_ddp_plain_tensors_3_to_2(tmp_path):
+def test_ddp_plain_tensors_3_to_2_and_rank_state(tmp_path):
     saved = run_ranks(ddp_save_job, 3, tmp_path, str(tmp_path))
     meta = json.loads((tmp_path / "ddp" / "metadata.json").read_text())
-    assert all(len(s["chunks"]) == 1 for s in meta["tensor_specs"].values())   # replicated: written once
-    for step, values in run_ranks(ddp_load_job, 2, tmp_path, str(tmp_path)):
+    specs = meta["tensor_specs"]
+    assert all(len(s["chunks"]) == 1 for n, s in specs.items() if not n.startswith("__rank_state__"))  # once
+    assert len(specs["__rank_state__.rng"]["chunks"]) == 3     # one row per rank
+    for step, values, (rng, pos, warned) in run_ranks(ddp_load_job, 2, tmp_path, str(tmp_path)):
         assert step == 3
         assert values.keys() == saved[0].keys()
         for n, t in values.items():
             assert t == saved[0][n], n
+        assert (rng, pos) == ([-1] * 4, -1) and warned      # another world size: rank_state untouched, warned
+    for rank, (_, _, (rng, pos, warned)) in enumerate(run_ranks(ddp_load_job, 3, tmp_path, str(tmp_path))):
+        assert (rng, pos, warned) == ([rank] * 4, 10 * rank, [])   # same world size: each rank its own values
 
 
 def test_training_resumes_on_another_world_size_with_the_same_losses(tmp_path):

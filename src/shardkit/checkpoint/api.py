@@ -42,6 +42,7 @@ from shardkit.checkpoint.dtensor_layout import local_box
 from shardkit.checkpoint.group import resolve_group
 from shardkit.checkpoint.load_into import _leaves, _replace_plain, load_into
 from shardkit.checkpoint.manifest import read_manifest
+from shardkit.checkpoint.rank_state import check_reserved, is_rank_state_name, rank_state_targets, warn_world_changed
 from shardkit.checkpoint.shutdown import join_at_exit
 from shardkit.checkpoint.staging import stage
 from shardkit.errors import AsyncCheckpointError, TensorMismatchError
@@ -69,18 +70,20 @@ def resolve_world(group):
     return resolve_group(group, rank, world_size), rank, world_size
 
 
-def save(state_dict, dir, *, group=None, metadata=None) -> None:
+def save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -> None:
     """Save ``state_dict`` (nested; DTensor, tensor and plain leaves) into the directory ``dir``.
 
     A collective over ``group``: every rank calls it with the same structure.
     Returns once the whole checkpoint is committed (``metadata.json`` written
     last). Raises :class:`TensorMismatchError` when ranks disagree on names,
     shapes or dtypes, ``TypeError`` for a leaf that would need pickle.
+    ``rank_state``: values that differ between ranks (RNG states, a loader's
+    position), kept per rank (see ``rank_state.py`` for the world-size rule).
 
     >>> save({"model": model_sd, "optim": optim_sd, "step": 7}, "/ckpt/step-7")
     """
     coordinator, rank, world_size = resolve_world(group)
-    prep = prepare(state_dict, coordinator, rank, world_size, metadata)
+    prep = prepare(state_dict, coordinator, rank, world_size, metadata, rank_state)
     storage, directory = storage_for(dir)
     write_and_commit(prep, storage, directory, coordinator)
 
@@ -91,7 +94,7 @@ def _walk(state_dict):
     return _leaves(state_dict)
 
 
-def load(state_dict, dir, *, group=None, strict: bool = True) -> None:
+def load(state_dict, dir, *, group=None, strict: bool = True, rank_state=None) -> None:
     """Fill ``state_dict`` in place from the checkpoint at ``dir``, whatever mesh or world size saved it.
 
     Each DTensor leaf receives its local box (only the overlapping byte
@@ -99,16 +102,20 @@ def load(state_dict, dir, *, group=None, strict: bool = True) -> None:
     saved value. A name of ``state_dict`` the checkpoint lacks, a checkpoint
     name ``state_dict`` lacks (unless ``strict=False``), a global shape or a
     dtype that differs raise :class:`TensorMismatchError` before a byte is
-    read. No collective is issued; ``group`` is accepted for symmetry with ``save``.
+    read. No collective is issued; ``group`` gives this rank's number.
+    ``rank_state`` (as saved) is filled in place with this rank's saved values
+    when the world size is the saving one; otherwise it is left untouched, with
+    a ``UserWarning`` (``rank_state.py``).
 
     >>> model_sd, optim_sd = get_state_dict(model, optimizer)
     >>> load({"model": model_sd, "optim": optim_sd}, "/ckpt/step-7")
     """
-    del group  # every rank reads its own boxes: nothing to agree on
+    _, rank, world_size = resolve_world(group)   # every rank reads its own boxes: nothing to agree on
     storage, directory = storage_for(dir)
     m = read_manifest(storage, directory)
     tensors, others = _walk(state_dict)
-    _check_names(set(tensors) | others, m, strict)
+    check_reserved([*tensors, *others])
+    _check_names(set(tensors) | others, {n for n in [*m.tensors, *m.objects] if not is_rank_state_name(n)}, strict)
     boxes, targets = {}, {}
     for name, t in tensors.items():
         saved = m.tensors.get(name)
@@ -123,12 +130,21 @@ def load(state_dict, dir, *, group=None, strict: bool = True) -> None:
         if name in m.tensors:
             raise TensorMismatchError(f"state_dict's leaf {name!r} is not a tensor, but the checkpoint holds a "
                                       f"{list(m.tensors[name].spec.full_shape)} tensor there; put a tensor there")
+    plain = {}
+    if rank_state is not None and m.num_ranks != world_size:
+        warn_world_changed(m.num_ranks, world_size)
+    elif rank_state is not None:
+        extra_targets, extra_boxes, plain = rank_state_targets(rank_state, rank)
+        _check_names(set(extra_targets) | set(plain), set(m.tensors) | set(m.objects), strict=False)
+        targets.update(extra_targets)
+        boxes.update(extra_boxes)
     load_into(targets, storage, directory, m, 0, 1, keys=None, verify=None, boxes=boxes)
     _replace_plain(state_dict, "", {n: m.objects[n] for n in others})
+    if plain:
+        _replace_plain(rank_state, "", {leaf: m.objects[saved] for saved, leaf in plain.items()})
 
 
-def _check_names(names: set[str], m, strict: bool) -> None:
-    saved = set(m.tensors) | set(m.objects)
+def _check_names(names: set[str], saved: set[str], strict: bool) -> None:
     missing = sorted(names - saved)
     if missing:
         raise TensorMismatchError(f"state_dict has {len(missing)} leaves the checkpoint lacks: "
@@ -163,7 +179,7 @@ def background_coordinator(group, coordinator, rank: int, world_size: int):
     return resolve_group(own, rank, world_size)
 
 
-def async_save(state_dict, dir, *, group=None, metadata=None) -> CheckpointFuture:
+def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -> CheckpointFuture:
     """Plan and stage now (a copy of this rank's boxes), write in the background; return the future.
 
     Blocks for one small exchange of layouts over ``group`` and the staging
@@ -180,7 +196,7 @@ def async_save(state_dict, dir, *, group=None, metadata=None) -> CheckpointFutur
     >>> future = async_save(state, "/ckpt/step-8"); train(); future.wait()
     """
     coordinator, rank, world_size = resolve_world(group)
-    prep = prepare(state_dict, coordinator, rank, world_size, metadata)
+    prep = prepare(state_dict, coordinator, rank, world_size, metadata, rank_state)
     background = background_coordinator(group, coordinator, rank, world_size)
     stage_for_background(prep, background)
     return start_background(prep, dir, background)

@@ -35,6 +35,7 @@ from shardkit.checkpoint.manifest import (
     CHUNKED_VERSION, METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, write_json,
 )
 from shardkit.checkpoint.nested import flatten
+from shardkit.checkpoint.rank_state import check_reserved, rank_state_objects, rank_state_report
 from shardkit.checkpoint.save import _attempt, _describe, _raise_first, _user_metadata
 from shardkit.checkpoint.spec import TensorShardSpec
 from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes, to_safetensors_name
@@ -70,15 +71,26 @@ def _report(state_dict) -> tuple[dict, dict[str, torch.Tensor], Any]:
     return report, local, flat
 
 
-def prepare(state_dict, coordinator, rank: int, world_size: int, metadata=None) -> Prepared:
-    """Plan a chunked save; a collective on ``coordinator`` (None: one process). Writes nothing."""
-    mine, exc = _attempt(lambda: (*_report(state_dict), _user_metadata(metadata)))
-    statuses = _all(coordinator, {"error": _describe(exc), "report": mine[0] if mine else None})
+def _mine(state_dict, rank_state, rank: int, world_size: int, metadata):
+    report, local, flat = _report(state_dict)
+    check_reserved([*flat.tensors, *flat.objects])
+    extra_report, extra_local, rank_objects = rank_state_report(rank_state, rank, world_size)
+    return {**report, **extra_report}, {**local, **extra_local}, flat, rank_objects, _user_metadata(metadata)
+
+
+def prepare(state_dict, coordinator, rank: int, world_size: int, metadata=None, rank_state=None) -> Prepared:
+    """Plan a chunked save; a collective on ``coordinator`` (None: one process). Writes nothing.
+
+    ``rank_state``: per-rank values (``rank_state.py``), stored beside the state."""
+    mine, exc = _attempt(lambda: _mine(state_dict, rank_state, rank, world_size, metadata))
+    statuses = _all(coordinator, {"error": _describe(exc), "report": mine[0] if mine else None,
+                                  "rank_objects": mine[3] if mine else None})
     _raise_first(statuses, exc, "preparing the save")
-    report, local, flat, user_metadata = mine
+    report, local, flat, _, user_metadata = mine
     plan = plan_chunks([s["report"] for s in statuses], lambda d: itemsize_bytes(NAME_TO_DTYPE[d]))
     to_write = {n: local[n] for n in plan.writes[rank]}
-    return Prepared(rank, world_size, plan, to_write, flat.objects, flat.structure, user_metadata)
+    objects = {**flat.objects, **rank_state_objects(statuses)}
+    return Prepared(rank, world_size, plan, to_write, objects, flat.structure, user_metadata)
 
 
 def _withdraw(storage: Storage, directory: str, rank: int) -> None:

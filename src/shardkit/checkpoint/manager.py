@@ -93,13 +93,14 @@ class CheckpointManager:
 
     # --- save / restore --------------------------------------------------------
 
-    def save(self, step: int, state_dict, *, metrics: dict | None = None) -> None:
+    def save(self, step: int, state_dict, *, metrics: dict | None = None, rank_state=None) -> None:
         """Save ``state_dict`` as step ``step``; waits for a save still in flight first.
 
         With ``async_save=True`` it returns once the state is staged (the
         write, commit and rotation run in the background; :meth:`wait` for
         them); else once the checkpoint is committed (rotation runs on a
-        thread). ``metrics`` (JSON numbers) are stored with the step.
+        thread). ``metrics`` (JSON numbers) are stored with the step;
+        ``rank_state`` as for :func:`~shardkit.checkpoint.save`.
         """
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; create a new one to save again")
@@ -107,7 +108,7 @@ class CheckpointManager:
             raise MetadataError(f"step must be an integer >= 0, got {step!r}")
         self.wait()
         metadata = {_KEY: {"step": step, "metrics": dict(metrics or {})}}
-        prep = prepare(state_dict, self._coordinator, self.rank, self.world_size, metadata)
+        prep = prepare(state_dict, self._coordinator, self.rank, self.world_size, metadata, rank_state)
         directory = self.step_dir(step)
         clear = lambda: self._clear_leftover(step)  # noqa: E731 - rank 0, before anything is written
         self._writing = step
@@ -125,12 +126,12 @@ class CheckpointManager:
             self._rotation = threading.Thread(target=self._rotate, name="shardkit-ckpt-rotate", daemon=False)
             self._rotation.start()
 
-    def restore(self, state_dict, step: int | None = None) -> int | None:
+    def restore(self, state_dict, step: int | None = None, *, rank_state=None) -> int | None:
         """Load step ``step`` (default: the latest complete one) into ``state_dict`` in place.
 
         Returns the step restored, or None when there is none (a fresh run).
         Works on any world size. Raises :class:`CheckpointError` when ``step``
-        is given but not complete.
+        is given but not complete. ``rank_state`` as for :func:`~shardkit.checkpoint.load`.
         """
         self.wait()
         chosen = self.latest_step() if step is None else step
@@ -141,7 +142,7 @@ class CheckpointManager:
         if not self._complete(chosen):
             raise CheckpointError(f"step {chosen} has no complete checkpoint under {self.root}; complete steps: "
                                   f"{self.steps() or 'none'}")
-        load(state_dict, self.step_dir(chosen), group=self.group)
+        load(state_dict, self.step_dir(chosen), group=self.group, rank_state=rank_state)
         return chosen
 
     def metrics(self, step: int) -> dict:
