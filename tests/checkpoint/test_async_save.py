@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import threading
 
+import importlib
+
 import pytest
 import torch
 
-from shardkit.checkpoint import async_save
+async_save = importlib.import_module("shardkit.checkpoint.async_save")  # the module (the package attribute is the function)
 from shardkit.checkpoint.async_save import AsyncCheckpointer, AsyncWaitTimeout, CheckpointFuture
 from shardkit.errors import AsyncCheckpointError, CheckpointError
 

@@ -36,7 +36,7 @@ def ctx():
 
 def _save_held_mid_write(directory, value, started, release) -> None:
     """Save 1 rank, stopping inside the data file write until ``release`` is released."""
-    import shardkit.checkpoint.save as save_module
+    import shardkit.checkpoint.distributed_save as save_module
 
     real = save_module.write_safetensors
 

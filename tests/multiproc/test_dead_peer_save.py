@@ -36,7 +36,7 @@ def _expected_w(step: int) -> torch.Tensor:
 
 
 def _save_then_die(rank: int, world_size: int, first_dir: str, second_dir: str, die_in: str):
-    import shardkit.checkpoint.save as save_module
+    import shardkit.checkpoint.distributed_save as save_module
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))  # a plain torch ProcessGroup
     save_distributed(_state(1, rank), first_dir, rank, world_size, SPEC, group=group)

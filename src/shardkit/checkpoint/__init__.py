@@ -1,6 +1,8 @@
 """Distributed checkpoints: every rank writes its shard; any world size loads them.
 
-The contract (ARCHITECTURE.md): :func:`save_distributed`,
+The training-loop API (shaped like ``torch.distributed.checkpoint``):
+:func:`save`, :func:`load`, :func:`async_save` take DTensor / FSDP2 / TP
+state dicts as they are (``checkpoint/api.py``). The lower-level contract (ARCHITECTURE.md): :func:`save_distributed`,
 :func:`load_distributed` (reshards when the world size differs),
 :func:`reshard`, :func:`load_region`, :func:`load_consolidated`,
 :func:`validate_distributed`, :func:`compute_shard_sizes`,
@@ -17,13 +19,20 @@ Example::
 """
 
 from shardkit.checkpoint.load import load_consolidated, load_distributed, load_region, read_metadata, reshard
-from shardkit.checkpoint.save import save_distributed
+from shardkit.checkpoint.distributed_save import save_distributed
 from shardkit.checkpoint.spec import ShardMetadata, TensorShardSpec, flat_shard_metadata
 from shardkit.checkpoint.validate import ValidationReport, validate_distributed
 from shardkit.layout import compute_shard_sizes
 from shardkit.checkpoint.async_save import AsyncCheckpointer, AsyncWaitTimeout, CheckpointFuture
+# ``save`` is the dcp-style function (``save_distributed`` lives in ``distributed_save.py``).
+from shardkit.checkpoint.api import async_save, load, save
+from shardkit.checkpoint.manager import CheckpointManager
 
 __all__ = [
+    "save",
+    "load",
+    "async_save",
+    "CheckpointManager",
     "TensorShardSpec",
     "ShardMetadata",
     "compute_shard_sizes",

@@ -77,6 +77,7 @@ import time
 
 import torch
 
+from shardkit.checkpoint.shutdown import destroy_at_exit, join_at_exit
 from shardkit.checkpoint.staging import stage
 from shardkit.errors import AsyncCheckpointError, AsyncCheckpointIOError, AsyncWaitTimeout, CheckpointIOError
 
@@ -221,6 +222,7 @@ class AsyncCheckpointer:
             self._release(future)
             raise AsyncCheckpointError(f"could not start the background save thread: {e}") from e
         self._thread = thread
+        join_at_exit(thread)
         try:
             staged = self._stage_checked(state_dict)
         except BaseException as e:
@@ -304,7 +306,7 @@ class AsyncCheckpointer:
         # The background save checks again (under its lock); this makes the common
         # mistake fail here, on the caller's thread, before anything is staged.
         if self.group is None and not overwrite:
-            from shardkit.checkpoint.save import check_may_overwrite
+            from shardkit.checkpoint.distributed_save import check_may_overwrite
 
             check_may_overwrite(target, self.rank, self.world_size)
 
@@ -376,4 +378,6 @@ def _dedicated_gloo_group(group):
             f"torch.distributed does not know it ({type(e).__name__}: {e}). Pass "
             f"dedicated_group=False with a group that nothing else uses while a save is in flight"
         ) from e
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    own = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    destroy_at_exit(own)  # before interpreter teardown, which aborted jobs that never destroyed it
+    return own

@@ -43,10 +43,11 @@ __all__ = ["load_into"]
 
 
 def load_into(out: Mapping, storage: Storage, directory: str, m: Manifest, rank: int, world_size: int, *,
-              keys, verify) -> Mapping:
+              keys, verify, boxes: Mapping[str, Box] | None = None) -> Mapping:
     """Fill ``out``'s tensors in place with this rank's slices and replace its plain leaves; returns ``out``.
 
-    Reads only the tensors ``out`` names (and ``keys`` selects, when given).
+    Reads only the tensors ``out`` names (and ``keys`` selects, when given). ``boxes`` (by name)
+    overrides the box of the global tensor a leaf receives (a DTensor's local box, say).
     It does not add the checkpoint's other leaves to ``out``; plain leaves of
     ``out`` that the checkpoint lacks stay as they are.
 
@@ -59,7 +60,7 @@ def load_into(out: Mapping, storage: Storage, directory: str, m: Manifest, rank:
     tensors, others = _leaves(out)
     names = _chosen([*tensors, *others], [*m.tensors, *m.objects], keys)
     targets = {n: tensors[n].detach() for n in tensors if n in names}  # detach: params that require grad
-    want = {n: _check_target(n, t, m, rank, world_size) for n, t in targets.items()}
+    want = {n: _check_target(n, t, m, rank, world_size, (boxes or {}).get(n)) for n, t in targets.items()}
     _check_plain(others & names, m, rank, world_size)
     with OpenFiles.for_load(storage, directory, m, verify) as files:
         dtypes = {n: saved_dtype(files, n, m.tensors[n]) for n in want}
@@ -100,7 +101,8 @@ def _chosen(out_names: list[str], saved_names: list[str], keys) -> set[str]:
     return set(select_names(list(dict.fromkeys([*out_names, *saved_names])), keys))
 
 
-def _check_target(name: str, tensor: torch.Tensor, m: Manifest, rank: int, world_size: int) -> Box:
+def _check_target(name: str, tensor: torch.Tensor, m: Manifest, rank: int, world_size: int,
+                  box: Box | None = None) -> Box:
     saved = m.tensors.get(name)
     if saved is None:
         found = "holds a plain value (not a tensor) under that name" if name in m.objects else "has no such tensor"
@@ -109,7 +111,7 @@ def _check_target(name: str, tensor: torch.Tensor, m: Manifest, rank: int, world
     if tensor.device.type == "meta":
         raise TensorMismatchError(f"out's tensor {name!r} is on the meta device, which holds no data to fill; "
                                   f"allocate it first (e.g. module.to_empty(device='cpu'))")
-    box = wanted_box(saved, m.num_ranks, rank, world_size)
+    box = wanted_box(saved, m.num_ranks, rank, world_size) if box is None else box
     if tuple(tensor.shape) != tuple(box.sizes):
         raise TensorMismatchError(
             f"out's tensor {name!r} has shape {list(tensor.shape)}, but rank {rank} of {world_size} loads "

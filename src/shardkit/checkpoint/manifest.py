@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit import knobs
+from shardkit.checkpoint.chunks import Chunk, chunks_to_json, parse_chunks
 from shardkit.checkpoint.nested import PLAIN_TYPES, check_structure
+from shardkit.checkpoint.rank_state import is_rank_state_name
 from shardkit.checkpoint.spec import TensorShardSpec, check_spec
-from shardkit.dtypes import NAME_TO_DTYPE
+from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
 from shardkit.storage import FileRecord, Storage, check_relative_name, parse_json_object
 from shardkit.storage.json_io import expect_dict, expect_int, expect_list, expect_str, short_repr
@@ -56,7 +58,8 @@ __all__ = [
 FORMAT = "shardkit.distributed"
 RANK_FORMAT = "shardkit.distributed.rank"
 FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+CHUNKED_VERSION = 2          # every tensor described by its chunks (checkpoint/chunks.py, docs/format.md)
+SUPPORTED_VERSIONS = (1, 2)
 METADATA_FILE = "metadata.json"
 
 
@@ -70,11 +73,16 @@ def rank_manifest_name(rank: int) -> str:
 
 @dataclass(frozen=True)
 class SavedTensor:
-    """A saved tensor: its layout, dtype name (None in seed format: read the header) and owner."""
+    """A saved tensor: its layout, dtype name (None in seed format: read the header) and owner.
+
+    Version 2 tensors carry ``chunks`` (their spec is then the full shape, replicated); older
+    ones are upgraded to chunks by ``plan.saved_chunks``.
+    """
 
     spec: TensorShardSpec
     dtype: str | None
     owner_rank: int | None = None
+    chunks: tuple[Chunk, ...] | None = None
 
 
 @dataclass
@@ -92,6 +100,8 @@ class Manifest:
 
 
 def manifest_to_json(m: Manifest) -> dict:
+    if any(t.chunks is not None for t in m.tensors.values()):
+        return _chunked_to_json(m)
     specs = {}
     for name, t in m.tensors.items():
         entry = {"full_shape": list(t.spec.full_shape), "shard_dim": t.spec.shard_dim,
@@ -104,6 +114,16 @@ def manifest_to_json(m: Manifest) -> dict:
         "tensor_specs": specs, "files": {f: r.to_json() for f, r in sorted(m.files.items())},
         "objects": m.objects, "structure": m.structure, "user_metadata": m.user_metadata,
         **({"save_id": m.save_id} if m.save_id else {}),
+    }
+
+
+def _chunked_to_json(m: Manifest) -> dict:
+    specs = {name: {"full_shape": list(t.spec.full_shape), "dtype": t.dtype, "chunks": chunks_to_json(t.chunks)}
+             for name, t in m.tensors.items()}
+    return {
+        "format": FORMAT, "format_version": CHUNKED_VERSION, "num_ranks": m.num_ranks,
+        "tensor_specs": specs, "files": {f: r.to_json() for f, r in sorted(m.files.items())},
+        "objects": m.objects, "structure": m.structure, "user_metadata": m.user_metadata,
     }
 
 
@@ -158,7 +178,9 @@ def parse_manifest(source: str, data: bytes) -> Manifest:
     user_metadata = expect_dict(obj.get("user_metadata") or {}, f"{source}: user_metadata")
     structure = obj.get("structure")
     if structure is not None:
-        check_structure(structure, tensors, objects, source=source)
+        # Per-rank state (rank_state=) is stored beside the user's state, outside its structure.
+        check_structure(structure, {n: t for n, t in tensors.items() if not is_rank_state_name(n)},
+                        {n: v for n, v in objects.items() if not is_rank_state_name(n)}, source=source)
     save_id = obj.get("save_id")
     if save_id is not None:
         expect_str(save_id, f"{source}: save_id")
@@ -189,6 +211,8 @@ def _check_version(source: str, obj: dict, expected_format: str) -> int | None:
 def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int | None) -> SavedTensor:
     what = f"{source}: tensor {short_repr(name)}"
     raw = expect_dict(raw, what)
+    if version == CHUNKED_VERSION:
+        return _chunked_tensor(source, name, raw, num_ranks)
     shape = expect_list(raw.get("full_shape"), f"{what}: full_shape", max_items=knobs.MAX_TENSOR_NDIM)
     full_shape = tuple(expect_int(d, f"{what}: full_shape[{i}]") for i, d in enumerate(shape))
     shard_dim = raw.get("shard_dim")
@@ -209,6 +233,27 @@ def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int
             raise MetadataError(f"{what} is replicated and has owner_rank {short_repr(owner)}; expected "
                                 f"0..{num_ranks - 1}. {_FIX}")
     return SavedTensor(spec, dtype, owner if spec.shard_dim is None else None)
+
+
+def _chunked_tensor(source: str, name: str, raw: dict, num_ranks: int) -> SavedTensor:
+    what = f"{source}: tensor {short_repr(name)}"
+    shape = expect_list(raw.get("full_shape"), f"{what}: full_shape", max_items=knobs.MAX_TENSOR_NDIM)
+    spec = TensorShardSpec(tuple(expect_int(d, f"{what}: full_shape[{i}]") for i, d in enumerate(shape)), None, ())
+    check_spec(name, spec, 1, source=source)
+    dtype = raw.get("dtype")
+    if not isinstance(dtype, str) or dtype not in NAME_TO_DTYPE:
+        raise MetadataError(f"{what} has dtype {short_repr(dtype)}; known: {', '.join(NAME_TO_DTYPE)}")
+    chunks = parse_chunks(source, name, raw.get("chunks"), spec.full_shape, itemsize_bytes(NAME_TO_DTYPE[dtype]),
+                          lambda f: _data_file(source, f, num_ranks))
+    return SavedTensor(spec, dtype, None, chunks)
+
+
+def _data_file(source: str, file: Any, num_ranks: int) -> str:
+    digits = file[len("rank_"):-len(".safetensors")] if isinstance(file, str) else ""
+    if not (digits.isdigit() and digits.isascii() and file == data_file_name(int(digits)) and int(digits) < num_ranks):
+        raise MetadataError(f"{source} places a chunk in {file!r}; the data files of a checkpoint of {num_ranks} "
+                            f"ranks are rank_0.safetensors .. rank_{num_ranks - 1}.safetensors")
+    return file
 
 
 def rank_manifest_json(rank: int, num_ranks: int, records: dict[str, FileRecord], save_id: str | None = None) -> dict:

@@ -104,7 +104,11 @@ def wanted_box(saved: SavedTensor, num_ranks: int, new_rank: int, new_world_size
 
 
 def saved_chunks(saved: SavedTensor) -> list[tuple[str, Box]]:
-    """Every saved chunk of a tensor: (file name, box in the full tensor). Linear in the number of ranks."""
+    """Every saved chunk of a tensor: (file name, box in the full tensor); version 1 and seed
+    layouts are upgraded to chunks here, so one planner serves every version. Linear in the number
+    of ranks."""
+    if saved.chunks is not None:
+        return [(c.file, c.box) for c in saved.chunks]
     spec = saved.spec
     if spec.shard_dim is None:
         return [(data_file_name(saved.owner_rank), whole_box(spec.full_shape))]

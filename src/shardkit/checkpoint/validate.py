@@ -141,5 +141,9 @@ def _check_header(name: str, rank: int, header: SafetensorsHeader, m: Manifest,
         if tuple(entry.shape) != tuple(chunk.sizes):
             problems.append(f"{name}: tensor {tensor_name!r} has shape {list(entry.shape)}, metadata.json "
                             f"gives rank {rank} the shape {list(chunk.sizes)}")
+        byte_range = next(((c.begin, c.end) for c in saved.chunks or () if c.file == name), None)
+        if byte_range is not None and byte_range != (entry.begin, entry.end):
+            problems.append(f"{name}: tensor {tensor_name!r} is at bytes {entry.begin}..{entry.end}, metadata.json "
+                            f"records {byte_range[0]}..{byte_range[1]}")
         if saved.dtype is not None and entry.dtype != saved.dtype:
             problems.append(f"{name}: tensor {tensor_name!r} is {entry.dtype}, metadata.json says {saved.dtype}")

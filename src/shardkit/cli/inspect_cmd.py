@@ -32,6 +32,8 @@ def _row(name: str, saved) -> dict:
 
     spec = saved.spec
     split = "replicated" if spec.shard_dim is None else f"dim {spec.shard_dim}: {list(spec.shard_sizes)}"
+    if saved.chunks is not None:
+        split = f"{len(saved.chunks)} chunk(s)"
     itemsize = NAME_TO_DTYPE[saved.dtype].itemsize if saved.dtype in NAME_TO_DTYPE else None
     nbytes = math.prod(spec.full_shape) * itemsize if itemsize is not None else None
     owner = saved.owner_rank

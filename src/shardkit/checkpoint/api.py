@@ -1,0 +1,256 @@
+"""``save`` / ``load`` / ``async_save``: the training-loop API, shaped like ``torch.distributed.checkpoint``.
+
+Switching from DCP is a change of import::
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import shardkit.checkpoint as ckpt
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)        # FSDP2 / TP: DTensor leaves
+    ckpt.save({"model": model_sd, "optim": optim_sd, "step": step}, f"/ckpt/step-{step}")
+    ...
+    state = {"model": model_sd, "optim": optim_sd, "step": 0}    # from get_state_dict, on any mesh
+    ckpt.load(state, "/ckpt/step-100")                           # fills in place
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+``DTensor`` leaves carry their layout (FSDP2, HSDP, TP, 2-D); each distinct
+box is written once by one of the ranks that hold it, the writing spread
+across ranks. Plain tensors are replicated (written once); plain leaves go
+to ``metadata.json``. Rank and world size come from ``group`` (None: the
+default process group if initialised, else one process). The format is
+version 2 of ``metadata.json`` (``docs/format.md``): every tensor by its
+chunks, so any box layout reshards to any other. ``load`` also reads
+version-1 and seed-format checkpoints.
+
+What it does not do: it does not build the model/optimizer state (use
+``get_state_dict`` / ``set_state_dict``), cast dtypes, or add leaves the
+state lacks. Per-rank values that differ between ranks are not kept: plain
+leaves come from rank 0 (save such state as a tensor in a DTensor, or in a
+per-rank directory).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import torch
+
+from shardkit.checkpoint.async_save import CheckpointFuture, _dedicated_gloo_group
+from shardkit.checkpoint.chunked_save import prepare, write_and_commit
+from shardkit.checkpoint.dtensor_layout import local_box
+from shardkit.checkpoint.group import resolve_group
+from shardkit.checkpoint.load_into import _leaves, _replace_plain, load_into
+from shardkit.checkpoint.manifest import read_manifest
+from shardkit.checkpoint.rank_state import check_reserved, is_rank_state_name, rank_state_targets, warn_world_changed
+from shardkit.checkpoint.shutdown import join_at_exit
+from shardkit.checkpoint.staging import stage
+from shardkit.errors import AsyncCheckpointError, TensorMismatchError
+from shardkit.storage import storage_for
+
+__all__ = ["save", "load", "async_save", "resolve_world", "start_background", "background_coordinator",
+           "stage_for_background"]
+
+
+def resolve_world(group):
+    """``(coordinator or None, rank, world_size)`` of ``group``; None: the default group if initialised."""
+    import torch.distributed as dist
+
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 0, 1
+        group = dist.group.WORLD
+    pg = getattr(group, "process_group", group)
+    if pg is None:
+        return None, 0, 1
+    if hasattr(group, "rank") and hasattr(group, "world_size") and not isinstance(group, dist.ProcessGroup):
+        rank, world_size = group.rank, group.world_size
+    else:
+        rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
+    return resolve_group(group, rank, world_size), rank, world_size
+
+
+def save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -> None:
+    """Save ``state_dict`` (nested; DTensor, tensor and plain leaves) into the directory ``dir``.
+
+    A collective over ``group``: every rank calls it with the same structure.
+    Returns once the whole checkpoint is committed (``metadata.json`` written
+    last). Raises :class:`TensorMismatchError` when ranks disagree on names,
+    shapes or dtypes, ``TypeError`` for a leaf that would need pickle.
+    ``rank_state``: values that differ between ranks (RNG states, a loader's
+    position), kept per rank (see ``rank_state.py`` for the world-size rule).
+
+    >>> save({"model": model_sd, "optim": optim_sd, "step": 7}, "/ckpt/step-7")
+    """
+    coordinator, rank, world_size = resolve_world(group)
+    prep = prepare(state_dict, coordinator, rank, world_size, metadata, rank_state)
+    storage, directory = storage_for(dir)
+    write_and_commit(prep, storage, directory, coordinator)
+
+
+def _walk(state_dict):
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict (possibly nested), got {type(state_dict).__name__}")
+    return _leaves(state_dict)
+
+
+def load(state_dict, dir, *, group=None, strict: bool = True, rank_state=None) -> None:
+    """Fill ``state_dict`` in place from the checkpoint at ``dir``, whatever mesh or world size saved it.
+
+    Each DTensor leaf receives its local box (only the overlapping byte
+    ranges are read), each plain tensor the whole tensor, each plain leaf its
+    saved value. A name of ``state_dict`` the checkpoint lacks, a checkpoint
+    name ``state_dict`` lacks (unless ``strict=False``), a global shape or a
+    dtype that differs raise :class:`TensorMismatchError` before a byte is
+    read. No collective is issued; ``group`` gives this rank's number.
+    ``rank_state`` (as saved) is filled in place with this rank's saved values
+    when the world size is the saving one; otherwise it is left untouched, with
+    a ``UserWarning`` (``rank_state.py``).
+
+    >>> model_sd, optim_sd = get_state_dict(model, optimizer)
+    >>> load({"model": model_sd, "optim": optim_sd}, "/ckpt/step-7")
+    """
+    _, rank, world_size = resolve_world(group)   # every rank reads its own boxes: nothing to agree on
+    storage, directory = storage_for(dir)
+    m = read_manifest(storage, directory)
+    tensors, others = _walk(state_dict)
+    check_reserved([*tensors, *others])
+    _check_names(set(tensors) | others, {n for n in [*m.tensors, *m.objects] if not is_rank_state_name(n)}, strict)
+    boxes, targets = {}, {}
+    for name, t in tensors.items():
+        saved = m.tensors.get(name)
+        if saved is None:
+            raise TensorMismatchError(f"state_dict has a tensor {name!r}, but the checkpoint holds a plain value "
+                                      f"{m.objects.get(name)!r} there")
+        if tuple(t.shape) != tuple(saved.spec.full_shape):
+            raise TensorMismatchError(f"tensor {name!r} has global shape {list(t.shape)}, the checkpoint saved "
+                                      f"{list(saved.spec.full_shape)}; build the model with the saved shapes")
+        boxes[name], targets[name] = local_box(name, t)
+    for name in others:
+        if name in m.tensors:
+            raise TensorMismatchError(f"state_dict's leaf {name!r} is not a tensor, but the checkpoint holds a "
+                                      f"{list(m.tensors[name].spec.full_shape)} tensor there; put a tensor there")
+    plain = {}
+    if rank_state is not None and m.num_ranks != world_size:
+        warn_world_changed(m.num_ranks, world_size)
+    elif rank_state is not None:
+        extra_targets, extra_boxes, plain = rank_state_targets(rank_state, rank)
+        _check_names(set(extra_targets) | set(plain), set(m.tensors) | set(m.objects), strict=False)
+        targets.update(extra_targets)
+        boxes.update(extra_boxes)
+    load_into(targets, storage, directory, m, 0, 1, keys=None, verify=None, boxes=boxes)
+    _replace_plain(state_dict, "", {n: m.objects[n] for n in others})
+    if plain:
+        _replace_plain(rank_state, "", {leaf: m.objects[saved] for saved, leaf in plain.items()})
+
+
+def _check_names(names: set[str], saved: set[str], strict: bool) -> None:
+    missing = sorted(names - saved)
+    if missing:
+        raise TensorMismatchError(f"state_dict has {len(missing)} leaves the checkpoint lacks: "
+                                  f"{', '.join(missing[:8])}; the checkpoint holds {', '.join(sorted(saved)[:8])}"
+                                  f"{', ...' if len(saved) > 8 else ''}")
+    unexpected = sorted(saved - names)
+    if unexpected and strict:
+        raise TensorMismatchError(
+            f"the checkpoint holds {len(unexpected)} leaves state_dict lacks: {', '.join(unexpected[:8])}; "
+            f"pass a state_dict with them (an optimizer's state: use get_state_dict, which creates it) or "
+            f"strict=False to ignore them")
+
+
+_BACKGROUND_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_BACKGROUND_LOCK = threading.Lock()
+_LAST_THREAD: dict[int, threading.Thread] = {}     # id(background group) -> its latest save thread
+_STAGING: dict[int, dict] = {}                      # id(background group) -> staging buffers to reuse
+
+
+def background_coordinator(group, coordinator, rank: int, world_size: int):
+    """A group of its own for the background thread's collectives, made once per training group."""
+    import torch.distributed as dist
+
+    if coordinator is None:
+        return None
+    key = getattr(group, "process_group", group) if group is not None else dist.group.WORLD
+    with _BACKGROUND_LOCK:
+        own = _BACKGROUND_GROUPS.get(key)
+        if own is None:
+            own = _dedicated_gloo_group(group if group is not None else dist.group.WORLD)
+            _BACKGROUND_GROUPS[key] = own
+    return resolve_group(own, rank, world_size)
+
+
+def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -> CheckpointFuture:
+    """Plan and stage now (a copy of this rank's boxes), write in the background; return the future.
+
+    Blocks for one small exchange of layouts over ``group`` and the staging
+    copy; the writing and the commit run on a background thread over a Gloo
+    group of their own (made once per ``group``, at the first call: every
+    rank calls ``async_save`` at the same point), so they never interleave
+    with training's collectives. A save started while another is in flight
+    queues behind it (saves run in the order started, never two at once).
+    The staging buffers (one CPU copy of this rank's boxes) are kept and
+    reused by the next save on the same group once this one has finished.
+    ``future.wait()`` raises
+    :class:`AsyncCheckpointError` if the save failed.
+
+    >>> future = async_save(state, "/ckpt/step-8"); train(); future.wait()
+    """
+    coordinator, rank, world_size = resolve_world(group)
+    prep = prepare(state_dict, coordinator, rank, world_size, metadata, rank_state)
+    background = background_coordinator(group, coordinator, rank, world_size)
+    stage_for_background(prep, background)
+    return start_background(prep, dir, background)
+
+
+def _key(background) -> int:
+    return id(getattr(background, "pg", None) or getattr(background, "process_group", None) or background)
+
+
+def stage_for_background(prep, background) -> None:
+    """Copy the tensors ``prep`` writes into CPU buffers, reusing the last save's on this background
+    group when it has finished (no allocation, no page faults: most of what a warm call blocks for).
+    The buffers (one CPU copy of this rank's boxes) are kept for the next save."""
+    key = _key(background)
+    with _BACKGROUND_LOCK:
+        previous = _LAST_THREAD.get(key)
+        buffers = _STAGING.pop(key, {}) if previous is None or not previous.is_alive() else {}
+    prep.to_write, used = stage(prep.to_write, buffers)
+    with _BACKGROUND_LOCK:
+        _STAGING[key] = used
+
+
+def start_background(prep, dir, background, *, before_write=None, after=None) -> CheckpointFuture:
+    """Run ``write_and_commit`` for a prepared, staged save on a new thread; ``after()`` runs there
+    once the save succeeded (the manager's rotation). The thread is not a daemon: a process whose
+    main thread ends still finishes the save before it exits."""
+    storage, directory = storage_for(dir)
+    future = CheckpointFuture(os.fspath(dir), f"background checkpoint save (rank {prep.rank})")
+    key = _key(background)
+    with _BACKGROUND_LOCK:
+        previous = _LAST_THREAD.get(key)
+
+    def run():
+        error = None
+        try:
+            if previous is not None:
+                # Saves on one background group run in the order they were started (the same
+                # on every rank): two threads issuing collectives on one group would mismatch.
+                previous.join()
+            write_and_commit(prep, storage, directory, background, before_write)
+            if after is not None:
+                after()
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            error = e
+        finally:
+            future._finish(error)
+
+    thread = threading.Thread(target=run, name=f"shardkit-async-save-rank{prep.rank}", daemon=False)
+    with _BACKGROUND_LOCK:
+        try:
+            thread.start()
+        except RuntimeError as e:
+            raise AsyncCheckpointError(f"could not start the background save thread: {e}") from e
+        _LAST_THREAD[key] = thread
+    future._thread = thread
+    join_at_exit(thread)
+    return future

@@ -1,0 +1,268 @@
+"""``CheckpointManager``: a run's checkpoints, one directory per step, complete ones only.
+
+``root/step-<n>/`` holds the checkpoint of step ``n`` (written by
+:func:`~shardkit.checkpoint.save`'s engine, format version 2). Rules:
+
+- **Complete only**: a step counts once its ``metadata.json`` is committed
+  and every data file it records exists with the recorded size; steps are
+  ordered by their number, never by mtime. A save interrupted by a crash
+  (even SIGKILL) leaves an incomplete directory that :meth:`restore`
+  ignores; it is deleted by a later rotation once a newer step is complete,
+  or cleared when the same step is saved again.
+- **Rotation** (rank 0 only, on the background save thread, or a thread of
+  its own for blocking saves; never on the training thread) keeps the
+  ``keep_last`` newest complete steps and the best one by ``best``; it never
+  deletes the newest complete step or a step being written.
+- **One save at a time**: :meth:`save` while a save is in flight first
+  waits for it (and raises its failure as
+  :class:`~shardkit.errors.AsyncCheckpointError`).
+- **Groups**: every rank of ``group`` calls ``save`` / ``restore`` at the
+  same point; ``restore`` uses rank 0's choice of step. ``root`` is a local
+  (or shared, mounted) directory.
+
+Example::
+
+    with CheckpointManager("/ckpt/run1", keep_last=2, best=("loss", "min")) as mgr:
+        start = mgr.restore(state) or 0          # state from get_state_dict; None on a fresh run
+        for step in range(start, steps):
+            ...
+            if step % 100 == 0:
+                mgr.save(step, state, metrics={"loss": loss})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import threading
+
+from shardkit.checkpoint.api import (
+    background_coordinator, load, resolve_world, stage_for_background, start_background,
+)
+from shardkit.checkpoint.chunked_save import prepare, write_and_commit
+from shardkit.checkpoint.group import exchange
+from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
+from shardkit.errors import CheckpointError, MetadataError
+from shardkit.storage import is_lock_name, storage_for
+
+__all__ = ["CheckpointManager", "step_dir_name"]
+
+_STEP_DIR = re.compile(r"^step-(\d{1,18})$")
+_KEY = "shardkit.manager"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step}"
+
+
+class CheckpointManager:
+    """Save every few steps (in the background), keep the last few and the best, restore the latest.
+
+    ``best``: None, a metric name (lower is better) or ``(name, "min" | "max")``;
+    the step with the best value of that metric (given to :meth:`save`) is kept.
+    """
+
+    def __init__(self, root, *, group=None, keep_last: int = 3, best=None, async_save: bool = True):
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise MetadataError(f"keep_last must be an integer >= 1 (the newest complete step is always kept), "
+                                f"got {keep_last!r}")
+        self.root = os.fspath(root)
+        self.group, self.keep_last, self.async_save = group, keep_last, async_save
+        self.best = _parse_best(best)
+        self._coordinator, self.rank, self.world_size = resolve_world(group)
+        self._future = None
+        self._rotation: threading.Thread | None = None
+        self._writing: int | None = None
+        self._closed = False
+        if self.rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+
+    # --- what is there ---------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The complete steps, ascending (a step being written or a crashed one is not listed)."""
+        return [s for s in self._all_steps() if s != self._writing and self._complete(s)]
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.root, step_dir_name(step))
+
+    # --- save / restore --------------------------------------------------------
+
+    def save(self, step: int, state_dict, *, metrics: dict | None = None, rank_state=None) -> None:
+        """Save ``state_dict`` as step ``step``; waits for a save still in flight first.
+
+        With ``async_save=True`` it returns once the state is staged (the
+        write, commit and rotation run in the background; :meth:`wait` for
+        them); else once the checkpoint is committed (rotation runs on a
+        thread). ``metrics`` (JSON numbers) are stored with the step;
+        ``rank_state`` as for :func:`~shardkit.checkpoint.save`.
+        """
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed; create a new one to save again")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise MetadataError(f"step must be an integer >= 0, got {step!r}")
+        self.wait()
+        metadata = {_KEY: {"step": step, "metrics": dict(metrics or {})}}
+        prep = prepare(state_dict, self._coordinator, self.rank, self.world_size, metadata, rank_state)
+        directory = self.step_dir(step)
+        clear = lambda: self._clear_leftover(step)  # noqa: E731 - rank 0, before anything is written
+        self._writing = step
+        if self.async_save:
+            background = background_coordinator(self.group, self._coordinator, self.rank, self.world_size)
+            stage_for_background(prep, background)
+            self._future = start_background(prep, directory, background, before_write=clear, after=self._after_save)
+            return
+        storage, path = storage_for(directory)
+        try:
+            write_and_commit(prep, storage, path, self._coordinator, clear)
+        finally:
+            self._writing = None
+        if self.rank == 0:
+            self._rotation = threading.Thread(target=self._rotate, name="shardkit-ckpt-rotate", daemon=False)
+            self._rotation.start()
+
+    def restore(self, state_dict, step: int | None = None, *, rank_state=None) -> int | None:
+        """Load step ``step`` (default: the latest complete one) into ``state_dict`` in place.
+
+        Returns the step restored, or None when there is none (a fresh run).
+        Works on any world size. Raises :class:`CheckpointError` when ``step``
+        is given but not complete. ``rank_state`` as for :func:`~shardkit.checkpoint.load`.
+        """
+        self.wait()
+        chosen = self.latest_step() if step is None else step
+        if self._coordinator is not None:
+            chosen = exchange(self._coordinator, chosen)[0]      # rank 0 decides: every rank loads the same
+        if chosen is None:
+            return None
+        if not self._complete(chosen):
+            raise CheckpointError(f"step {chosen} has no complete checkpoint under {self.root}; complete steps: "
+                                  f"{self.steps() or 'none'}")
+        load(state_dict, self.step_dir(chosen), group=self.group, rank_state=rank_state)
+        return chosen
+
+    def metrics(self, step: int) -> dict:
+        """The metrics saved with ``step``."""
+        m = read_manifest(*storage_for(self.step_dir(step)))
+        return dict((m.user_metadata.get(_KEY) or {}).get("metrics") or {})
+
+    def wait(self) -> None:
+        """Wait for the save and rotation in flight, if any; raise a failed save's error."""
+        future, self._future = self._future, None
+        try:
+            if future is not None:
+                future._thread.join()
+                future.wait()
+        finally:
+            self._writing = None
+            rotation, self._rotation = self._rotation, None
+            if rotation is not None:
+                rotation.join()
+
+    def close(self) -> None:
+        """Wait for everything in flight (see :meth:`wait`); idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.wait()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.close()
+        except CheckpointError:
+            if exc_type is None:
+                raise
+
+    # --- internals -------------------------------------------------------------
+
+    def _all_steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, names) if m)
+
+    def _complete(self, step: int) -> bool:
+        storage, directory = storage_for(self.step_dir(step))
+        try:
+            m = read_manifest(storage, directory)
+            records = file_records(storage, directory, m)
+            return all(os.path.getsize(os.path.join(directory, f)) == r.bytes for f, r in records.items())
+        except (CheckpointError, OSError):
+            return False
+
+    def _after_save(self) -> None:
+        self._writing = None
+        if self.rank == 0:
+            self._rotate()
+
+    def _clear_leftover(self, step: int) -> None:
+        # A crashed or older save of the same step; runs under this save's writer lock,
+        # so the lock file stays (removing it would let a second writer in).
+        if os.path.isdir(self.step_dir(step)):
+            _remove_step_dir(self.step_dir(step), keep_locks=True)
+
+    def _rotate(self) -> None:
+        writing = self._writing
+        complete = self.steps()
+        if not complete:
+            return
+        keep = set(complete[-self.keep_last:]) | {complete[-1]}
+        best = self._best_step(complete)
+        if best is not None:
+            keep.add(best)
+        for step in self._all_steps():
+            if step in keep or step == writing:
+                continue
+            if step in complete or step < complete[-1]:   # old, or a crashed save older than the newest
+                _remove_step_dir(self.step_dir(step))
+
+    def _best_step(self, complete: list[int]) -> int | None:
+        if self.best is None:
+            return None
+        name, mode = self.best
+        scored = []
+        for step in complete:
+            try:
+                value = self.metrics(step).get(name)
+            except (CheckpointError, OSError):
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                scored.append((value if mode == "min" else -value, -step, step))
+        return min(scored)[2] if scored else None
+
+
+def _parse_best(best):
+    if best is None:
+        return None
+    if isinstance(best, str):
+        return best, "min"
+    if isinstance(best, (tuple, list)) and len(best) == 2 and best[1] in ("min", "max"):
+        return str(best[0]), best[1]
+    raise MetadataError(f"best must be None, a metric name or (name, 'min' | 'max'), got {best!r}")
+
+
+def _remove_step_dir(path: str, *, keep_locks: bool = False) -> None:
+    # Withdraw the commit first: a deletion cut short reads as incomplete, never as a broken checkpoint.
+    try:
+        os.remove(os.path.join(path, METADATA_FILE))
+    except FileNotFoundError:
+        pass
+    if not keep_locks:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for name in os.listdir(path):
+        if not is_lock_name(name):
+            entry = os.path.join(path, name)
+            if os.path.isdir(entry) and not os.path.islink(entry):
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry)

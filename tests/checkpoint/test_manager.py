@@ -1,0 +1,113 @@
+"""CheckpointManager: complete steps only, rotation, best, crash leftovers, one save at a time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardkit.checkpoint import CheckpointManager, validate_distributed
+from shardkit.errors import CheckpointError, MetadataError
+
+
+def _state(v: float, step: int = 0):
+    return {"w": torch.full((3, 4), v), "step": step}
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_rotation_keeps_last_and_best(tmp_path, async_save):
+    with CheckpointManager(tmp_path, keep_last=2, best=("loss", "min"), async_save=async_save) as mgr:
+        for step, loss in [(1, 5.0), (2, 0.5), (9, 3.0), (10, 4.0), (11, 6.0)]:
+            mgr.save(step, _state(step, step), metrics={"loss": loss})
+        mgr.wait()
+        assert mgr.steps() == [2, 10, 11]        # ordered by number (10 after 9), best (2) kept
+        assert mgr.latest_step() == 11 and mgr.metrics(2) == {"loss": 0.5}
+    target = _state(0)
+    assert CheckpointManager(tmp_path).restore(target) == 11
+    assert target["step"] == 11 and torch.equal(target["w"], torch.full((3, 4), 11.0))
+    assert CheckpointManager(tmp_path).restore(target, step=2) == 2 and target["step"] == 2
+
+
+def test_best_max_and_fresh_run(tmp_path):
+    mgr = CheckpointManager(tmp_path / "run", keep_last=1, best=("acc", "max"), async_save=False)
+    assert mgr.restore(_state(0)) is None and mgr.latest_step() is None
+    for step, acc in [(1, 0.9), (2, 0.1), (3, 0.2)]:
+        mgr.save(step, _state(step), metrics={"acc": acc})
+    mgr.close()
+    assert mgr.steps() == [1, 3]
+
+
+def test_incomplete_step_is_ignored_then_cleaned(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=3, async_save=False)
+    mgr.save(1, _state(1, 1))
+    mgr.wait()
+    crashed = tmp_path / "step-2"
+    crashed.mkdir()
+    (crashed / "rank_0.safetensors").write_bytes(b"half")
+    assert mgr.steps() == [1]
+    target = _state(0)
+    assert mgr.restore(target) == 1
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        mgr.restore(target, step=2)
+    mgr.save(3, _state(3, 3))
+    mgr.wait()
+    assert not crashed.exists() and mgr.steps() == [1, 3]
+
+
+def test_saving_a_step_again_replaces_a_crashed_one(tmp_path):
+    (tmp_path / "step-4").mkdir()
+    (tmp_path / "step-4" / "rank_7.safetensors").write_bytes(b"leftover of a bigger job")
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(4, _state(4, 4))
+    assert sorted(os.listdir(tmp_path / "step-4")) == ["metadata.json", "rank_0.safetensors"]
+
+
+def test_second_save_waits_for_the_first(tmp_path, monkeypatch):
+    import shardkit.checkpoint.chunked_save as chunked_save
+
+    real, calls = chunked_save.write_safetensors, []
+
+    def slow(*args, **kwargs):
+        calls.append("start")
+        import time
+        time.sleep(0.2)
+        calls.append("end")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chunked_save, "write_safetensors", slow)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+    assert calls == ["start", "end", "start", "end"]
+    assert validate_distributed(tmp_path / "step-1").ok and validate_distributed(tmp_path / "step-2").ok
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(MetadataError, match="keep_last"):
+        CheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(MetadataError, match="best"):
+        CheckpointManager(tmp_path, best=("loss", "up"))
+    mgr = CheckpointManager(tmp_path)
+    mgr.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        mgr.save(1, _state(1))
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_sigkill_during_a_save_is_ignored_and_cleaned_up(tmp_path, mode):
+    child = os.path.join(os.path.dirname(__file__), "manager_crash_child.py")
+    proc = subprocess.run([sys.executable, child, str(tmp_path), mode], timeout=120, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert (tmp_path / "step-3" / "rank_0.safetensors").exists()          # killed mid-save
+    mgr = CheckpointManager(tmp_path, keep_last=5, async_save=False)
+    assert mgr.steps() == [1, 2]
+    target = {"w": torch.zeros(1000), "step": 0}
+    assert mgr.restore(target) == 2 and target["step"] == 2
+    assert torch.equal(target["w"], torch.arange(1000, dtype=torch.float32) + 2)
+    mgr.save(4, target)
+    mgr.close()
+    assert mgr.steps() == [1, 2, 4] and not (tmp_path / "step-3").exists()
