@@ -17,9 +17,9 @@ How it measures (``shardkit bench --only offline`` or
 - the implementations run interleaved, rep by rep, order reversed every other
   rep; the figures are median, min and max. Page cache warm (same files every rep).
 
-For ``dcp.load + dcp.save`` (3 rank processes) the peak is the largest rank's
-``ru_maxrss`` (from ``RUSAGE_CHILDREN``), which may include what a rank
-inherited at its start: an upper bound, shown for information only.
+For ``dcp.load + dcp.save`` (3 rank processes, forked by a forkserver) the
+peak is the largest rank's own ``VmHWM``, which includes the pages a rank
+shared with the forkserver at its start: an upper bound, for information only.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def _dcp_reshard3(rank, world, src, dst, size_bytes):
              for i in range(_N_TENSORS)}
     dcp.load(state, checkpoint_id=src)
     dcp.save(state, checkpoint_id=dst)
+    return _vmhwm_bytes()
 
 
 def _vmhwm_bytes() -> int:
@@ -109,13 +110,15 @@ def _child(kind: str, work: str, size_bytes: int) -> dict:
     out = os.path.join(work, "out-" + kind)
     src_sk, src_dcp = os.path.join(work, "sk4"), os.path.join(work, "dcp4")
     start = time.perf_counter()
-    if kind == "baseline":
-        pass
+    if kind.startswith("baseline"):  # the imports the commands do, nothing else
+        import shardkit.checkpoint, shardkit.hf, shardkit.offline, shardkit.sources  # noqa: F401,E401
+        if kind == "baseline-dcp":
+            import torch.distributed.checkpoint  # noqa: F401
     elif kind == "shardkit-reshard":
         assert main(["reshard", src_sk, out, "--world-size", "3", "--quiet"]) == 0
     elif kind == "dcp-load-save":
         from shardkit.launch import run_local_ranks
-        run_local_ranks(_dcp_reshard3, 3, src_dcp, out, size_bytes)
+        ranks_peak_bytes = max(run_local_ranks(_dcp_reshard3, 3, src_dcp, out, size_bytes))
     elif kind == "shardkit-convert-dcp":
         assert main(["convert", src_dcp, out, "--from", "dcp", "--to", "hf", "--prefix", "", "--quiet"]) == 0
     elif kind == "dcp_to_torch_save":
@@ -125,8 +128,9 @@ def _child(kind: str, work: str, size_bytes: int) -> dict:
     else:
         raise ValueError(f"unknown kind {kind!r}; choose from {KINDS}")
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_bytes": _vmhwm_bytes(),
-            "children_peak_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
+    if kind != "dcp-load-save":
+        ranks_peak_bytes = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {"seconds": seconds, "peak_bytes": _vmhwm_bytes(), "children_peak_bytes": ranks_peak_bytes}
 
 
 def _timed(kind: str, work: str, size_bytes: int) -> dict:
@@ -151,23 +155,27 @@ def measure(size_bytes: int, reps: int, work: str, kinds=KINDS) -> dict:
         for k in (list(kinds)[::-1] if rep % 2 else kinds):
             results[k].append(_timed(k, work, size_bytes))
             print(f"offline bench rep {rep}: {k} {results[k][-1]}", file=sys.stderr, flush=True)
-    baseline = _timed("baseline", work, size_bytes)["peak_bytes"]
-    return {"baseline_peak_bytes": baseline, "runs": results}
+    baselines = {k: _timed(k, work, size_bytes)["peak_bytes"] for k in ("baseline", "baseline-dcp")}
+    return {"baseline_peak_bytes": baselines["baseline"], "baseline_dcp_peak_bytes": baselines["baseline-dcp"],
+            "runs": results}
 
 
 def rows_of(measured: dict, size_bytes: int) -> list[dict]:
     """The bench table's rows: case, impl, median/min/max seconds, peak memory above the import baseline."""
     from shardkit.bench.common import row
 
-    base = measured["baseline_peak_bytes"]
     runs = measured["runs"]
 
     def timing(kind):
         ts = [r["seconds"] for r in runs[kind]]
         return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)}
 
+    def base(kind):  # the DCP kinds import torch.distributed.checkpoint; the reshard ones do not
+        dcp = kind != "shardkit-reshard"
+        return measured.get("baseline_dcp_peak_bytes" if dcp else "baseline_peak_bytes", 0)
+
     def peak(kind):
-        return max(max(r["peak_bytes"], r["children_peak_bytes"]) for r in runs[kind]) - base
+        return max(max(r["peak_bytes"], r["children_peak_bytes"]) for r in runs[kind]) - base(kind)
 
     largest = size_bytes // _N_TENSORS
     out = []
@@ -176,7 +184,7 @@ def rows_of(measured: dict, size_bytes: int) -> list[dict]:
             ("offline convert --from dcp", "shardkit-convert-dcp", "dcp_to_torch_save", "dcp_to_torch_save")):
         if ours in runs:
             out.append(row(case, "shardkit", timing(ours), bytes=size_bytes, peak_bytes=peak(ours),
-                           largest_tensor_bytes=largest, baseline_bytes=base,
+                           largest_tensor_bytes=largest, baseline_bytes=base(ours),
                            peak_abs_bytes=max(r["peak_bytes"] for r in runs[ours])))
         if peer in runs:
             out.append(row(case, note, timing(peer), bytes=size_bytes, peak_bytes=peak(peer)))
