@@ -1,10 +1,11 @@
 """Streamed writers: reshard a distributed checkpoint, export any checkpoint as HF or as distributed.
 
 Each tensor (or each rank's slice of it) is a :class:`~shardkit.storage.LazyTensor`
-whose ``load`` reads it from the source (``load_region`` of exactly the box
-a new rank holds, or :meth:`CheckpointSource.read`) when the file writer
-reaches it, and is dropped once written: peak memory is about the largest
-chunk moved, never the checkpoint. Files are the formats' own
+served by a :class:`~shardkit.offline.readahead.ReadAhead`: the source fills
+it in place (:meth:`CheckpointSource.read_into` of exactly the box a new
+rank holds; the source's files opened once) while the file writer writes the
+one before, in two reused buffers: peak memory is about two of the largest
+chunks moved, never the checkpoint. Files are the formats' own
 (``write_safetensors``; ``metadata.json`` and rank manifests from
 ``checkpoint.manifest``; the HF index from ``hf.index``), so every reader
 (``load_distributed``, ``transformers``) reads the result. Output goes
