@@ -106,6 +106,12 @@ VERIFY_ON_LOAD: bool = False
 #: does not hold a second copy of it in host memory.
 LOAD_STAGE_BYTES: int = 256 * 1024 * 1024
 
+#: The offline tools (``shardkit reshard`` / ``convert``) read the next tensor
+#: (or new rank's slice) while the current one is written, in a second reused
+#: buffer; one larger than this is not read ahead, so their peak memory stays
+#: within the largest chunk moved + this + the write buffers.
+OFFLINE_READ_AHEAD_MAX_BYTES: int = 160 * 1024 * 1024
+
 # --- communication (shardkit.comm) -------------------------------------------
 
 #: Largest flat buffer ``all_reduce_`` / ``broadcast_`` pack small tensors into;

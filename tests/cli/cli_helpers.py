@@ -1,7 +1,11 @@
-"""Shared pieces of the CLI tests: run ``shardkit`` in a subprocess, make small checkpoints, DCP rank saves."""
+"""Shared pieces of the CLI tests: run ``shardkit`` in a subprocess or in this process, make small
+checkpoints, DCP rank saves."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import subprocess
 import sys
@@ -16,6 +20,30 @@ def shardkit(*argv, timeout=120, env=None):
     out = subprocess.run([sys.executable, "-m", "shardkit.cli", *map(str, argv)], capture_output=True, text=True,
                          timeout=timeout, env={**os.environ, **(env or {})})
     return out.returncode, out.stdout, out.stderr
+
+
+def in_process(*argv):
+    """The same call through ``shardkit.cli.main`` in this process: (exit code, stdout, stderr).
+
+    No interpreter start or torch import (a subprocess costs seconds on a busy 2-core box); the
+    end-to-end subprocess runs are kept for one happy path and one bad input per subcommand.
+    Loggers that ``-v`` configures are put back afterwards.
+    """
+    from shardkit.cli import main
+
+    logger = logging.getLogger("shardkit")
+    handlers, level = list(logger.handlers), logger.level
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in argv])
+            except SystemExit as e:  # argparse usage errors
+                code = e.code if isinstance(e.code, int) else 2
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+    return code, out.getvalue(), err.getvalue()
 
 
 def assert_one_line_error(code, out, err, expected_code=2):

@@ -1,7 +1,25 @@
-"""Offline tools against DCP: ``reshard`` 4->3 vs dcp.load on 3 ranks + dcp.save; ``convert --from dcp`` vs ``dcp_to_torch_save``.
+"""Offline tools against DCP: ``shardkit reshard`` 4->3 vs ``dcp.load`` on 3 ranks + ``dcp.save``;
+``shardkit convert --from dcp`` vs DCP's own ``dcp_to_torch_save``.
 
-Each timed run is a fresh process (its peak RSS is reported too), the
-implementations interleaved rep by rep. Run: ``python -m shardkit.bench.offline_bench 2GiB 3 /tmp/work``.
+How it measures (``shardkit bench --only offline`` or
+``python -m shardkit.bench.offline_bench 2GiB 3 /tmp/work``):
+
+- the source checkpoints (a shardkit one saved by 4 ranks, a DCP one saved by
+  4 Gloo ranks; 16 float32 tensors) are built by a separate earlier process,
+  so no measured process inherits the memory that built them;
+- every timed run is a fresh process that imports torch and the CLI, then
+  starts the clock and runs the command (``shardkit.cli.main([...])``, the
+  code the ``shardkit`` command runs; DCP's functions for the peers), and
+  reports its own peak resident memory, ``VmHWM`` from ``/proc/self/status``
+  (the kernel's high-water mark of this process's memory since its ``exec``:
+  nothing of the parent's counts). A baseline process that only does the
+  imports gives the memory the command itself added;
+- the implementations run interleaved, rep by rep, order reversed every other
+  rep; the figures are median, min and max. Page cache warm (same files every rep).
+
+For ``dcp.load + dcp.save`` (3 rank processes, forked by a forkserver) the
+peak is the largest rank's own ``VmHWM``, which includes the pages a rank
+shared with the forkserver at its start: an upper bound, for information only.
 """
 
 from __future__ import annotations
@@ -14,19 +32,29 @@ import subprocess
 import sys
 import time
 
-import torch
+KINDS = ("shardkit-reshard", "dcp-load-save", "shardkit-convert-dcp", "dcp_to_torch_save")
+_N_TENSORS = 16
 
 
-def _state(size_bytes: int, n_tensors: int = 16) -> dict:
-    rows = size_bytes // (n_tensors * 4096 * 4)
+def _state(size_bytes: int) -> dict:
+    import torch
+
+    rows = size_bytes // (_N_TENSORS * 4096 * 4)
     g = torch.Generator().manual_seed(0)
-    return {f"model.layers.{i}.w": torch.randn(rows, 4096, generator=g) for i in range(n_tensors)}
+    return {f"model.layers.{i}.w": torch.randn(rows, 4096, generator=g) for i in range(_N_TENSORS)}
 
 
-def _prepare(size_bytes: int, work: str) -> None:
+def prepare(size_bytes: int, work: str) -> None:
+    """Build ``work/sk4`` (shardkit, 4 ranks) and ``work/dcp4`` (DCP, 4 ranks) unless present."""
     from shardkit.checkpoint import ShardMetadata, TensorShardSpec, save_distributed
     from shardkit.launch import run_local_ranks
 
+    os.makedirs(work, exist_ok=True)
+    stamp = os.path.join(work, f"prepared-{size_bytes}")
+    if os.path.exists(stamp):
+        return
+    for d in ("sk4", "dcp4"):
+        shutil.rmtree(os.path.join(work, d), ignore_errors=True)
     state = _state(size_bytes)
     rows = next(iter(state.values())).shape[0]
     spec = ShardMetadata(4, {n: TensorShardSpec((rows, 4096), 0, (rows // 4,) * 4) for n in state})
@@ -35,6 +63,7 @@ def _prepare(size_bytes: int, work: str) -> None:
                          os.path.join(work, "sk4"), r, 4, spec)
     del state
     run_local_ranks(_dcp_save4, 4, os.path.join(work, "dcp4"), size_bytes)
+    open(stamp, "w").close()
 
 
 def _dcp_save4(rank, world, path, size_bytes):
@@ -48,63 +77,132 @@ def _dcp_save4(rank, world, path, size_bytes):
 
 
 def _dcp_reshard3(rank, world, src, dst, size_bytes):
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    rows = size_bytes // (16 * 4096 * 4)
-    state = {f"model.layers.{i}.w": distribute_tensor(torch.empty(rows, 4096), mesh, [Shard(0)]) for i in range(16)}
+    rows = size_bytes // (_N_TENSORS * 4096 * 4)
+    state = {f"model.layers.{i}.w": distribute_tensor(torch.empty(rows, 4096), mesh, [Shard(0)])
+             for i in range(_N_TENSORS)}
     dcp.load(state, checkpoint_id=src)
     dcp.save(state, checkpoint_id=dst)
+    return _vmhwm_bytes()
 
 
-def _child(kind: str, work: str, size_bytes: int) -> None:
+def _vmhwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _child(kind: str, work: str, size_bytes: int) -> dict:
+    """Run one command in this (fresh) process; its seconds and peak memory."""
+    import resource
+
+    import torch  # noqa: F401 -- imported before the clock, like every kind
+
+    from shardkit.cli import main
+
     out = os.path.join(work, "out-" + kind)
-    shutil.rmtree(out, ignore_errors=True)
-    if kind == "shardkit-reshard":
-        from shardkit.offline import reshard_checkpoint
-        reshard_checkpoint(os.path.join(work, "sk4"), out, 3)
+    src_sk, src_dcp = os.path.join(work, "sk4"), os.path.join(work, "dcp4")
+    start = time.perf_counter()
+    if kind.startswith("baseline"):  # the imports the commands do, nothing else
+        import shardkit.checkpoint, shardkit.hf, shardkit.offline, shardkit.sources  # noqa: F401,E401
+        if kind == "baseline-dcp":
+            import torch.distributed.checkpoint  # noqa: F401
+    elif kind == "shardkit-reshard":
+        assert main(["reshard", src_sk, out, "--world-size", "3", "--quiet"]) == 0
     elif kind == "dcp-load-save":
         from shardkit.launch import run_local_ranks
-        run_local_ranks(_dcp_reshard3, 3, os.path.join(work, "dcp4"), out, size_bytes)
+        ranks_peak_bytes = max(run_local_ranks(_dcp_reshard3, 3, src_dcp, out, size_bytes))
     elif kind == "shardkit-convert-dcp":
-        from shardkit.offline import export_hf
-        export_hf(os.path.join(work, "dcp4"), out, kind="dcp", prefix="")
+        assert main(["convert", src_dcp, out, "--from", "dcp", "--to", "hf", "--prefix", "", "--quiet"]) == 0
     elif kind == "dcp_to_torch_save":
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-        dcp_to_torch_save(os.path.join(work, "dcp4"), out + ".pt")
-        os.remove(out + ".pt")
-    shutil.rmtree(out, ignore_errors=True)
+        os.makedirs(out)
+        dcp_to_torch_save(src_dcp, os.path.join(out, "model.pt"))
+    else:
+        raise ValueError(f"unknown kind {kind!r}; choose from {KINDS}")
+    seconds = time.perf_counter() - start
+    if kind != "dcp-load-save":
+        ranks_peak_bytes = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {"seconds": seconds, "peak_bytes": _vmhwm_bytes(), "children_peak_bytes": ranks_peak_bytes}
 
 
-def _timed(kind: str, work: str, size_bytes: int) -> tuple[float, float]:
-    code = ("import resource,sys,time; from shardkit.bench.offline_bench import _child; t=time.perf_counter(); "
-            f"_child({kind!r}, {work!r}, {size_bytes}); print(time.perf_counter()-t, "
-            "max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))")
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=True)
-    seconds, rss_kib = out.stdout.split()[-2:]
-    return float(seconds), int(rss_kib) / 1024
+def _timed(kind: str, work: str, size_bytes: int) -> dict:
+    shutil.rmtree(os.path.join(work, "out-" + kind), ignore_errors=True)
+    code = ("import json, sys; from shardkit.bench.offline_bench import _child; "
+            f"print('RESULT ' + json.dumps(_child({kind!r}, {work!r}, {size_bytes})))")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True)
+    shutil.rmtree(os.path.join(work, "out-" + kind), ignore_errors=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
 
 
-def main(size_bytes: int, reps: int, work: str) -> dict:
-    os.makedirs(work, exist_ok=True)
-    _prepare(size_bytes, work)
-    kinds = ["shardkit-reshard", "dcp-load-save", "shardkit-convert-dcp", "dcp_to_torch_save"]
+def measure(size_bytes: int, reps: int, work: str, kinds=KINDS) -> dict:
+    """``kind -> {"seconds": [...], "peak_bytes": [...], ...}`` and the baseline, interleaved over ``reps``."""
+    subprocess.run([sys.executable, "-W", "ignore", "-c",
+                    f"from shardkit.bench.offline_bench import prepare; prepare({size_bytes}, {work!r})"],
+                   check=True)
     results = {k: [] for k in kinds}
-    for _ in range(reps):
-        for k in kinds:
+    for rep in range(max(1, reps)):
+        for k in (list(kinds)[::-1] if rep % 2 else kinds):
             results[k].append(_timed(k, work, size_bytes))
-            print(k, results[k][-1], file=sys.stderr, flush=True)
-    summary = {k: {"median_s": statistics.median(s for s, _ in v), "min_s": min(s for s, _ in v),
-                   "max_s": max(s for s, _ in v), "peak_rss_mib": max(m for _, m in v)} for k, v in results.items()}
-    summary["largest_tensor_mib"] = size_bytes / 16 / 2**20
-    return summary
+            print(f"offline bench rep {rep}: {k} {results[k][-1]}", file=sys.stderr, flush=True)
+    baselines = {k: _timed(k, work, size_bytes)["peak_bytes"] for k in ("baseline", "baseline-dcp")}
+    return {"baseline_peak_bytes": baselines["baseline"], "baseline_dcp_peak_bytes": baselines["baseline-dcp"],
+            "runs": results}
+
+
+def rows_of(measured: dict, size_bytes: int) -> list[dict]:
+    """The bench table's rows: case, impl, median/min/max seconds, peak memory above the import baseline."""
+    from shardkit.bench.common import row
+
+    runs = measured["runs"]
+
+    def timing(kind):
+        ts = [r["seconds"] for r in runs[kind]]
+        return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)}
+
+    def base(kind):  # the DCP kinds import torch.distributed.checkpoint; the reshard ones do not
+        dcp = kind != "shardkit-reshard"
+        return measured.get("baseline_dcp_peak_bytes" if dcp else "baseline_peak_bytes", 0)
+
+    def peak(kind):
+        return max(max(r["peak_bytes"], r["children_peak_bytes"]) for r in runs[kind]) - base(kind)
+
+    largest = size_bytes // _N_TENSORS
+    out = []
+    for case, ours, peer, note in (
+            ("offline reshard 4->3", "shardkit-reshard", "dcp-load-save", "dcp.load on 3 ranks + dcp.save"),
+            ("offline convert --from dcp", "shardkit-convert-dcp", "dcp_to_torch_save", "dcp_to_torch_save")):
+        if ours in runs:
+            out.append(row(case, "shardkit", timing(ours), bytes=size_bytes, peak_bytes=peak(ours),
+                           largest_tensor_bytes=largest, baseline_bytes=base(ours),
+                           peak_abs_bytes=max(r["peak_bytes"] for r in runs[ours])))
+        if peer in runs:
+            out.append(row(case, note, timing(peer), bytes=size_bytes, peak_bytes=peak(peer)))
+    return out
+
+
+def run_offline_benchmarks(size_bytes: int, reps: int, workdir: str) -> list[dict]:
+    """The ``offline`` suite of ``shardkit bench``."""
+    return rows_of(measure(size_bytes, reps, os.path.join(workdir, "offline")), size_bytes)
 
 
 if __name__ == "__main__":
+    from shardkit.bench.common import format_table
     from shardkit.bench.runner import _parse_size
 
     size = _parse_size(sys.argv[1] if len(sys.argv) > 1 else "2GiB")
-    print(json.dumps(main(size, int(sys.argv[2]) if len(sys.argv) > 2 else 3,
-                          sys.argv[3] if len(sys.argv) > 3 else "/tmp/offline-bench"), indent=1))
+    work = sys.argv[3] if len(sys.argv) > 3 else "/tmp/offline-bench"
+    measured = measure(size, int(sys.argv[2]) if len(sys.argv) > 2 else 3, work)
+    rows = rows_of(measured, size)
+    print(format_table(rows))
+    print(json.dumps({"measured": measured, "rows": rows}, indent=1))

@@ -14,7 +14,10 @@ import sys
 import tempfile
 import traceback
 
-SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
+SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline")
+#: What runs without ``--only``: ``offline`` (the CLI tools against DCP, two extra source checkpoints and
+#: rank processes) runs only when asked for.
+DEFAULT_SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 
 
 def _parse_size(text: str) -> int:
@@ -38,6 +41,10 @@ def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
         from shardkit.bench.comm_bench import run_comm_benchmarks
 
         return run_comm_benchmarks(reps=reps)
+    if name == "offline":
+        from shardkit.bench.offline_bench import run_offline_benchmarks
+
+        return run_offline_benchmarks(size, reps, workdir)
     if name == "ddp":
         from shardkit.bench.ddp_bench import run_ddp_benchmarks
 
@@ -51,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark options, shared by ``shardkit bench`` and ``python -m shardkit.bench``."""
     parser.add_argument("--size", default="1GiB", help="state size, e.g. 64MiB, 2GiB (default 1GiB)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions per figure (default 3, min 1)")
-    parser.add_argument("--only", default=",".join(SUITES), help=f"comma-separated subset of {','.join(SUITES)}")
+    parser.add_argument("--only", default=",".join(DEFAULT_SUITES), help=f"comma-separated subset of {','.join(SUITES)}")
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the rows to this JSON file")
 

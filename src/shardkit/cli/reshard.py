@@ -1,9 +1,11 @@
 """``shardkit reshard SRC DST --world-size M``: rewrite a distributed checkpoint for M ranks, offline.
 
-Reads each new rank's slice of every tensor (only the bytes that overlap it),
-writes it, drops it: memory stays around the largest chunk moved, not the
-checkpoint. DST is built in a temporary sibling directory, validated, then
-renamed into place, so it is complete or absent (a kill midway leaves no DST).
+Reads each new rank's slice of every tensor (only the bytes that overlap it,
+every checksum block verified) while the previous slice is written, in two
+reused buffers: memory stays around two of the largest chunks moved, not the
+checkpoint. DST is built in a temporary sibling directory, checked (metadata,
+sizes, headers; its checksums are those of the bytes written), then renamed
+into place, so it is complete or absent (a kill midway leaves no DST).
 Exit codes: 0 done, 2 bad input (missing, incomplete or corrupt SRC; DST exists).
 
 Example: shardkit reshard ckpt/step-100 ckpt/step-100-ws3 --world-size 3
@@ -50,5 +52,5 @@ def run(args) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(f"{args.dst}: {len(m.tensors)} tensors ({total:,} bytes) resharded {m.num_ranks} -> "
-              f"{args.world_size} ranks in {seconds:.2f} s; validated")
+              f"{args.world_size} ranks in {seconds:.2f} s; checked")
     return 0

@@ -1,10 +1,11 @@
 """Streamed writers: reshard a distributed checkpoint, export any checkpoint as HF or as distributed.
 
 Each tensor (or each rank's slice of it) is a :class:`~shardkit.storage.LazyTensor`
-whose ``load`` reads it from the source (``load_region`` of exactly the box
-a new rank holds, or :meth:`CheckpointSource.read`) when the file writer
-reaches it, and is dropped once written: peak memory is about the largest
-chunk moved, never the checkpoint. Files are the formats' own
+served by a :class:`~shardkit.offline.readahead.ReadAhead`: the source fills
+it in place (:meth:`CheckpointSource.read_into` of exactly the box a new
+rank holds; the source's files opened once) while the file writer writes the
+one before, in two reused buffers: peak memory is about two of the largest
+chunks moved, never the checkpoint. Files are the formats' own
 (``write_safetensors``; ``metadata.json`` and rank manifests from
 ``checkpoint.manifest``; the HF index from ``hf.index``), so every reader
 (``load_distributed``, ``transformers``) reads the result. Output goes
@@ -25,8 +26,10 @@ from typing import Callable, Optional
 
 import torch
 
+from shardkit.dtypes import itemsize_bytes
 from shardkit.errors import TensorMismatchError
 from shardkit.offline.publish import publish_directory
+from shardkit.offline.readahead import ReadAhead
 from shardkit.storage import LazyTensor, storage_for, write_safetensors
 
 __all__ = ["reshard_checkpoint", "export_hf", "export_distributed", "select_names"]
@@ -47,33 +50,42 @@ def _tick(progress: Progress, lazy: LazyTensor) -> LazyTensor:
     return LazyTensor(lazy.dtype, lazy.shape, load)
 
 
-def _write_distributed(tmp: str, world_size: int, entries: dict, objects: dict, structure, user_metadata,
+def _writer_order(names, dtype_of) -> list:
+    """The order ``write_safetensors`` writes ``names`` in (widest dtype first, then by name)."""
+    return sorted(names, key=lambda n: (-itemsize_bytes(dtype_of(n)), n))
+
+
+def _write_distributed(tmp: str, world_size: int, entries: dict, fill, objects: dict, structure, user_metadata,
                        progress: Progress) -> None:
-    """``entries``: name -> (dtype, new TensorShardSpec, box_for_rank(rank) -> (offsets, sizes), read(offsets, sizes))."""
+    """``entries``: name -> (dtype, new TensorShardSpec, box_for_rank(rank) -> (offsets, sizes));
+    ``fill(name, offsets, out)`` reads that box of ``name`` into ``out``. The next slice is read
+    while the current one is written (:class:`~shardkit.offline.readahead.ReadAhead`)."""
     from shardkit.checkpoint.manifest import (
         METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, write_json)
     from shardkit.checkpoint.plan import plan_save
-    from shardkit.dtypes import itemsize_bytes, to_safetensors_name
+    from shardkit.dtypes import to_safetensors_name
 
     storage, root = storage_for(tmp)
-    nbytes = {n: itemsize_bytes(d) * _numel(s.full_shape) for n, (d, s, _, _) in entries.items()}
-    specs = {n: s for n, (_, s, _, _) in entries.items() if s.shard_dim is not None}
-    records, owner_of = {}, {}
-    for rank in range(world_size):
-        plan = plan_save(nbytes, specs, rank, world_size)
-        owner_of = plan.owner_of
-        named = []
-        for name in plan.write_names:
-            dtype, _, box_for, read = entries[name]
+    nbytes = {n: itemsize_bytes(d) * _numel(s.full_shape) for n, (d, s, _) in entries.items()}
+    specs = {n: s for n, (_, s, _) in entries.items() if s.shard_dim is not None}
+    plans = [plan_save(nbytes, specs, rank, world_size) for rank in range(world_size)]
+    items = []
+    for rank, plan in enumerate(plans):
+        for name in _writer_order(plan.write_names, lambda n: entries[n][0]):
+            dtype, _, box_for = entries[name]
             offsets, sizes = box_for(rank)
-            named.append((name, _tick(progress, LazyTensor(dtype, tuple(sizes),
-                                                            lambda r=read, o=offsets, s=sizes: r(o, s)))))
-        file_name = data_file_name(rank)
-        log.info("writing %s (%d tensors)", file_name, len(named))
-        records[file_name] = write_safetensors(
-            storage, storage.join(root, file_name), named,
-            {"format": "pt", "shardkit.rank": str(rank), "shardkit.num_ranks": str(world_size)})
-    saved = {n: SavedTensor(s, to_safetensors_name(d), owner_of.get(n)) for n, (d, s, _, _) in entries.items()}
+            items.append(((rank, name), dtype, tuple(sizes), lambda out, n=name, o=offsets: fill(n, o, out)))
+    records = {}
+    with ReadAhead(items) as ahead:
+        for rank, plan in enumerate(plans):
+            named = [(name, _tick(progress, ahead.lazy((rank, name)))) for name in plan.write_names]
+            file_name = data_file_name(rank)
+            log.info("writing %s (%d tensors)", file_name, len(named))
+            records[file_name] = write_safetensors(
+                storage, storage.join(root, file_name), named,
+                {"format": "pt", "shardkit.rank": str(rank), "shardkit.num_ranks": str(world_size)})
+    owner_of = plans[-1].owner_of if plans else {}
+    saved = {n: SavedTensor(s, to_safetensors_name(d), owner_of.get(n)) for n, (d, s, _) in entries.items()}
     manifest = Manifest(1, world_size, saved, records, objects, structure, user_metadata)
     write_json(storage, storage.join(root, METADATA_FILE), manifest_to_json(manifest))
 
@@ -86,9 +98,12 @@ def _numel(shape) -> int:
 
 
 def _check_distributed(tmp: str) -> list:
+    """Problems with the directory just written: everything but re-hashing the data, whose block
+    checksums ``write_safetensors`` took from the bytes it handed to the files (and compared with
+    the source's) while writing them."""
     from shardkit.checkpoint import validate_distributed
 
-    return validate_distributed(tmp).problems
+    return validate_distributed(tmp, hash_bytes=False).problems
 
 
 def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progress = None) -> None:
@@ -96,37 +111,38 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
 
     Sharded tensors are re-split along the same dimension
     (``compute_shard_sizes``), replicated ones stay replicated, plain values
-    and user metadata are kept. Reads each new slice with ``load_region``
-    (only the overlapping bytes), writes it, drops it. ``dst`` must not
-    exist; it appears complete and validated, or not at all.
+    and user metadata are kept. Each new slice is read (only the overlapping
+    bytes, every checksum block verified) into one of two reused buffers
+    while the previous one is written, then dropped: memory is about two of
+    the largest slices, not the checkpoint. ``dst`` must not exist; it
+    appears complete and checked, or not at all.
 
     >>> reshard_checkpoint("ckpt/step-100", "ckpt/step-100-ws3", world_size=3)
     """
-    from shardkit.checkpoint import load_region, read_metadata
     from shardkit.checkpoint.plan import wanted_box
     from shardkit.checkpoint.spec import TensorShardSpec
-    from shardkit.hf.convert import _saved_dtype
     from shardkit.layout import compute_shard_sizes
+    from shardkit.sources import open_source
 
     if not isinstance(world_size, int) or world_size < 1:
         raise TensorMismatchError(f"--world-size must be an integer >= 1, got {world_size!r}")
-    m = read_metadata(src)
-    from shardkit.sources import open_source
-
-    open_source(src, "distributed").close()  # refuses an incomplete checkpoint before any work
-    entries = {}
-    for name, saved in m.tensors.items():
-        spec = saved.spec
-        if spec.shard_dim is not None:
-            spec = TensorShardSpec(spec.full_shape, spec.shard_dim,
-                                   tuple(compute_shard_sizes(spec.full_shape[spec.shard_dim], world_size)))
-        dtype = _saved_dtype(src, name, saved)
-        box_for = (lambda r, s=saved: tuple(wanted_box(s, m.num_ranks, r, world_size)))
-        read = (lambda o, s, n=name: load_region(src, n, o, s))
-        entries[name] = (dtype, spec, box_for, read)
-    log.info("resharding %s (%d ranks) -> %s (%d ranks), %d tensors", src, m.num_ranks, dst, world_size, len(entries))
-    publish_directory(dst, lambda tmp: _write_distributed(tmp, world_size, entries, m.objects, m.structure,
-                                                          m.user_metadata, progress), _check_distributed)
+    with open_source(src, "distributed") as source:  # refuses an incomplete checkpoint before any work
+        m = source.manifest
+        infos = source.tensors()
+        entries = {}
+        for name, saved in m.tensors.items():
+            spec = saved.spec
+            if spec.shard_dim is not None:
+                spec = TensorShardSpec(spec.full_shape, spec.shard_dim,
+                                       tuple(compute_shard_sizes(spec.full_shape[spec.shard_dim], world_size)))
+            box_for = (lambda r, s=saved: tuple(wanted_box(s, m.num_ranks, r, world_size)))
+            entries[name] = (infos[name].dtype, spec, box_for)
+        log.info("resharding %s (%d ranks) -> %s (%d ranks), %d tensors", src, m.num_ranks, dst, world_size,
+                 len(entries))
+        publish_directory(dst, lambda tmp: _write_distributed(
+            tmp, world_size, entries, lambda n, o, out: source.read_into(n, out, o), m.objects, m.structure,
+            m.user_metadata, progress), 
+                          _check_distributed)
 
 
 def select_names(names, prefix: Optional[str]) -> dict[str, str]:
@@ -170,28 +186,43 @@ def export_hf(src: str, dst: str, *, kind: Optional[str] = None, prefix: Optiona
     with open_source(src, kind) as source:
         infos = source.tensors()
         names = select_names(infos, prefix)
-        lazy = {}
-        for old, new in names.items():
-            info = infos[old]
-            out_dtype = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
-            load = (lambda n=old, d=out_dtype: source.read(n).to(d))
-            lazy[new] = _tick(progress, LazyTensor(out_dtype, info.shape, load))
-        plan = plan_shards([(n, t.nbytes) for n, t in lazy.items()], max_shard_bytes)
+        out_dtypes = {new: _out_dtype(infos[old].dtype, dtype) for old, new in names.items()}
+        sizes = [(n, itemsize_bytes(out_dtypes[n]) * _numel(infos[old].shape)) for old, n in names.items()]
+        plan = plan_shards(sizes, max_shard_bytes)
         weight_map = {n: shard_file_name(i + 1, len(plan), True) for i, ns in enumerate(plan) for n in ns}
+        old_of = {new: old for old, new in names.items()}
+        items = [(n, out_dtypes[n], tuple(infos[old_of[n]].shape), _filler(source, old_of[n], infos[old_of[n]].dtype))
+                 for ns in plan for n in _writer_order(ns, out_dtypes.__getitem__)]
         config = config or _config_beside(src)
 
         def build(tmp: str) -> None:
             storage, root = storage_for(tmp)
-            for i, ns in enumerate(plan):
-                path = storage.join(root, shard_file_name(i + 1, len(plan), True))
-                log.info("writing %s (%d tensors)", path, len(ns))
-                write_safetensors(storage, path, [(n, lazy[n]) for n in ns], {"format": "pt"}, checksum=False)
-            meta = {"total_size": sum(t.nbytes for t in lazy.values())}
+            with ReadAhead(items) as ahead:
+                for i, ns in enumerate(plan):
+                    path = storage.join(root, shard_file_name(i + 1, len(plan), True))
+                    log.info("writing %s (%d tensors)", path, len(ns))
+                    write_safetensors(storage, path, [(n, _tick(progress, ahead.lazy(n))) for n in ns],
+                                      {"format": "pt"}, checksum=False)
+            meta = {"total_size": sum(b for _, b in sizes)}
             save_shard_index({"metadata": meta, "weight_map": weight_map}, tmp, index_file_name(True))
             if config:
                 shutil.copyfile(config, os.path.join(tmp, "config.json"))
 
         publish_directory(dst, build, _check_hf)
+
+
+def _out_dtype(saved: torch.dtype, wanted: Optional[torch.dtype]) -> torch.dtype:
+    return wanted if wanted is not None and saved.is_floating_point else saved
+
+
+def _filler(source, name: str, saved_dtype: torch.dtype):
+    """``fill(out)`` for tensor ``name``: straight into ``out`` when no cast is needed, else read and cast."""
+    def fill(out: torch.Tensor) -> None:
+        if out.dtype == saved_dtype:
+            source.read_into(name, out)
+        else:
+            out.copy_(source.read(name))
+    return fill
 
 
 def _config_beside(src: str) -> Optional[str]:
@@ -220,12 +251,12 @@ def export_distributed(src: str, dst: str, *, kind: Optional[str] = None, dtype:
     from shardkit.sources import open_source
 
     with open_source(src, kind) as source:
-        entries = {}
+        entries, fills = {}, {}
         for name, info in source.tensors().items():
-            out_dtype = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
             spec = TensorShardSpec(tuple(info.shape), None, ())
-            entries[name] = (out_dtype, spec, lambda r, s=info.shape: tuple(whole_box(s)),
-                             lambda o, s, n=name, d=out_dtype: source.read(n).to(d))
+            entries[name] = (_out_dtype(info.dtype, dtype), spec, lambda r, s=info.shape: tuple(whole_box(s)))
+            fills[name] = _filler(source, name, info.dtype)
         objects = source.objects()
-        publish_directory(dst, lambda tmp: _write_distributed(tmp, 1, entries, objects, None, {}, progress),
+        publish_directory(dst, lambda tmp: _write_distributed(tmp, 1, entries, lambda n, o, out: fills[n](out),
+                                                              objects, None, {}, progress),
                           _check_distributed)

@@ -66,6 +66,16 @@ class CheckpointSource:
     def read(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def read_into(self, name: str, out: torch.Tensor, offsets: tuple[int, ...] | None = None) -> None:
+        """Fill ``out`` (a contiguous CPU tensor of the saved dtype) with the box of tensor ``name`` at
+        ``offsets`` (None: the origin) whose sizes are ``out.shape``; no temporary where the format allows.
+
+        This base version reads the whole tensor and copies (whole boxes only); the kinds override it.
+        """
+        if offsets is not None and any(offsets):
+            raise NotImplementedError(f"{self.kind} sources read whole tensors only")
+        out.copy_(self.read(name))
+
     def objects(self) -> dict[str, Any]:
         """Plain (non-tensor) values by dotted name, where the format keeps them."""
         return {}

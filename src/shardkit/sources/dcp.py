@@ -35,7 +35,9 @@ import torch
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
 from shardkit.layout import Box, intersect, whole_box
 from shardkit.sources.dcp_metadata import read_dcp_metadata
+from shardkit.sources.dcp_record import tensor_data_span
 from shardkit.storage import Reader, check_relative_name, storage_for
+from shardkit.storage.tensor_io import byte_view
 
 __all__ = ["DcpChunk", "DcpTensor", "DcpCheckpoint", "is_dcp_checkpoint"]
 
@@ -106,6 +108,7 @@ class DcpCheckpoint:
         self.tensors: dict[str, DcpTensor] = {}
         self.values: dict[str, DcpChunk] = {}
         self._readers: dict[str, Reader] = {}
+        self._spans: dict[DcpChunk, tuple[int, int] | None] = {}
         self._index()
 
     def _index(self) -> None:
@@ -175,26 +178,64 @@ class DcpCheckpoint:
     def read_box(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         """The box ``offsets``/``sizes`` of tensor ``name``, reading only the chunks that overlap it."""
         meta = self._tensor(name)
-        want = Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
-        if len(want.sizes) != len(meta.shape) or any(o < 0 or o + s > n for o, s, n in zip(want.offsets, want.sizes, meta.shape)):
-            raise MetadataError(f"box {list(want.offsets)}+{list(want.sizes)} does not fit {name!r} {list(meta.shape)}")
-        pieces = [(c, ov) for c in meta.chunks if (ov := intersect(c.box, want)) is not None or math.prod(want.sizes) == 0]
-        if len(pieces) == 1 and pieces[0][0].box == want:
-            return self._load_chunk(name, pieces[0][0])
+        want = self._check_box(name, offsets, sizes)
+        pieces = [c for c in meta.chunks if intersect(c.box, want) is not None]
+        if len(pieces) == 1 and pieces[0].box == want and math.prod(want.sizes) > 0:
+            return self._load_chunk(name, pieces[0])
         out = torch.empty(want.sizes, dtype=meta.dtype)
+        self.read_into(name, out, want.offsets)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor, offsets: Sequence[int] | None = None) -> None:
+        """Fill ``out`` (contiguous CPU, the saved dtype) with the box at ``offsets`` of size ``out.shape``.
+
+        A chunk that lands whole in a contiguous part of ``out`` and is saved
+        as a plain tensor is copied straight from the file into ``out``
+        (:func:`~shardkit.sources.dcp_record.tensor_data_span`); any other
+        goes through ``torch.load(weights_only=True)`` and a copy.
+        """
+        meta = self._tensor(name)
+        if out.dtype != meta.dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise MetadataError(f"reading {name!r} needs a contiguous CPU {meta.dtype} output, got {out.dtype}")
+        want = self._check_box(name, offsets if offsets is not None else (0,) * len(meta.shape), tuple(out.shape))
         covered = 0
-        for chunk, overlap in pieces:
+        for chunk in meta.chunks:
+            overlap = intersect(chunk.box, want)
             if overlap is None:
                 continue
-            src = self._load_chunk(name, chunk)
-            _region(out, want, overlap).copy_(_region(src, chunk.box, overlap))
+            dst = _region(out, want, overlap)
+            if not (overlap == chunk.box and dst.is_contiguous() and self._read_in_place(name, chunk, dst)):
+                src = self._load_chunk(name, chunk)
+                dst.copy_(_region(src, chunk.box, overlap))
+                del src
             covered += overlap.numel
-            del src
         if covered != want.numel:
             raise MetadataError(f"{self.directory}: the chunks of {name!r} cover {covered} of the {want.numel} "
                                 f"elements asked for; the checkpoint's .metadata is inconsistent")
-        log.debug("read %s box %s from %d chunk(s)", name, list(want.sizes), len(pieces))
-        return out
+
+    def _check_box(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> Box:
+        meta = self._tensor(name)
+        want = Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
+        if len(want.sizes) != len(meta.shape) or len(want.offsets) != len(meta.shape) or any(
+                o < 0 or s < 0 or o + s > n for o, s, n in zip(want.offsets, want.sizes, meta.shape)):
+            raise MetadataError(f"box {list(want.offsets)}+{list(want.sizes)} does not fit {name!r} {list(meta.shape)}")
+        return want
+
+    def _read_in_place(self, name: str, chunk: DcpChunk, dst: torch.Tensor) -> bool:
+        """Copy the chunk's bytes from the file into ``dst`` when its record allows; False: use torch.load."""
+        if dst.numel() == 0:
+            return True
+        reader = self._reader(chunk.file_name)
+        if chunk.offset < 0 or chunk.length < 0 or chunk.offset + chunk.length > reader.size_bytes:
+            return False  # _load_record explains it
+        if chunk not in self._spans:
+            self._spans[chunk] = tensor_data_span(_RecordView(reader, chunk.offset, chunk.length),
+                                                  self.tensors[name].dtype, chunk.box.sizes)
+        span = self._spans[chunk]
+        if span is None or span[0] + span[1] > chunk.length:
+            return False
+        reader.read_into(chunk.offset + span[0], byte_view(dst))
+        return True
 
     def read_value(self, name: str) -> Any:
         """The non-tensor value ``name`` (``torch.load(weights_only=True)``; refused if it is not plain data)."""

@@ -41,6 +41,7 @@ class DistributedSource(CheckpointSource):
         self.storage, self.directory = storage_for(path)
         self.records = file_records(self.storage, self.directory, self.manifest)
         self._infos: dict[str, TensorInfo] | None = None
+        self._files = None
 
     def tensors(self) -> dict[str, TensorInfo]:
         if self._infos is None:
@@ -76,10 +77,51 @@ class DistributedSource(CheckpointSource):
         return "blocks:" + xxhash.xxh3_128_hexdigest(json.dumps(parts).encode())
 
     def read(self, name: str) -> torch.Tensor:
-        from shardkit.checkpoint import load_region
+        saved = self.manifest.tensors.get(name)
+        if saved is None:
+            raise MetadataError(f"{self.path} has no tensor {name!r}")
+        out = torch.empty(tuple(saved.spec.full_shape), dtype=self._dtype(name))
+        self.read_into(name, out)
+        return out
 
-        shape = self.manifest.tensors[name].spec.full_shape
-        return load_region(self.path, name, [0] * len(shape), list(shape))
+    def read_into(self, name: str, out: torch.Tensor, offsets: tuple[int, ...] | None = None) -> None:
+        """Read the box at ``offsets`` of size ``out.shape`` straight into ``out``, every block verified.
+
+        The data files are opened once per source (not per tensor) and every
+        checksum block a read touches is hashed and compared with the record,
+        so a corrupt source raises :class:`~shardkit.errors.ChecksumError`
+        instead of being copied under fresh checksums.
+        """
+        from shardkit.checkpoint.execute import check_chunks, run_loads, scratch_elems_of
+        from shardkit.checkpoint.load import _check_box
+        from shardkit.checkpoint.plan import plan_load
+
+        saved = self.manifest.tensors.get(name)
+        if saved is None:
+            raise MetadataError(f"{self.path} has no tensor {name!r}")
+        shape = tuple(saved.spec.full_shape)
+        box = _check_box(name, shape, offsets if offsets is not None else (0,) * len(shape), tuple(out.shape))
+        files, dtypes = self._open_files(), {name: self._dtype(name)}
+        check_chunks(files, self.manifest.tensors, {name: box}, dtypes)
+        run_loads(files, plan_load(self.manifest.tensors, {name: box}, scratch_elems_of(dtypes)),
+                  dtypes.__getitem__, {name: out})
+
+    def _open_files(self):
+        from shardkit.checkpoint.execute import OpenFiles
+
+        if self._files is None:
+            self._files = OpenFiles(self.storage, self.directory, self.records, verify=True)
+        return self._files
+
+    def _dtype(self, name: str) -> torch.dtype:
+        from shardkit.checkpoint.execute import saved_dtype
+
+        return saved_dtype(self._open_files(), name, self.manifest.tensors[name])
+
+    def close(self) -> None:
+        if self._files is not None:
+            self._files.close()
+            self._files = None
 
     def objects(self) -> dict[str, Any]:
         return dict(self.manifest.objects)
@@ -163,6 +205,9 @@ class DcpSource(CheckpointSource):
 
     def read(self, name: str) -> torch.Tensor:
         return self.checkpoint.read(name)
+
+    def read_into(self, name: str, out: torch.Tensor, offsets: tuple[int, ...] | None = None) -> None:
+        self.checkpoint.read_into(name, out, offsets)
 
     def objects(self) -> dict[str, Any]:
         out = {}
