@@ -65,6 +65,12 @@ MAX_CHECKSUM_BLOCK_BYTES: int = 1 << 30
 MAX_INDEX_TENSORS: int = 1_000_000
 MAX_METRICS: int = 10_000
 
+#: What ``mmap="auto"`` (the default) means for ``shardkit.hf.load_checkpoint``:
+#: True maps local safetensors files copy-on-write in dict mode and with
+#: ``assign=True`` (zero-copy, as ``safetensors.torch.load_file`` does);
+#: False reads every tensor into fresh memory.
+HF_MMAP_LOADS: bool = True
+
 #: Threads used to read files in parallel inside one process.
 IO_THREADS: int = 4
 

@@ -5,7 +5,7 @@ a rank needs; ``shardkit.checkpoint`` plans that and calls in here.
 """
 
 from shardkit.storage.atomic import atomic_local_writer, fsync_dir, is_temp_name, start_writeback
-from shardkit.storage.backend import FsspecStorage, LocalStorage, Reader, Storage, storage_for
+from shardkit.storage.backend import BufferReader, FsspecStorage, LocalStorage, Reader, Storage, storage_for
 from shardkit.storage.lock import is_lock_name
 from shardkit.storage.checksum import ALGORITHM, BlockHasher, FileRecord
 from shardkit.storage.json_io import parse_json_object
@@ -24,6 +24,7 @@ from shardkit.storage.writer import LazyTensor, TensorLike, write_safetensors
 __all__ = [
     "ALGORITHM",
     "BlockHasher",
+    "BufferReader",
     "FileRecord",
     "FsspecStorage",
     "LazyTensor",

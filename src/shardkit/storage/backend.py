@@ -30,7 +30,7 @@ from shardkit.storage.atomic import atomic_local_writer, fsync_dir, typed_io_err
 from shardkit.storage.lock import local_writer_lock
 from shardkit.storage.memcopy import buffer_address, copy_bytes
 
-__all__ = ["Reader", "Storage", "LocalStorage", "FsspecStorage", "storage_for", "check_regular_file"]
+__all__ = ["BufferReader", "Reader", "Storage", "LocalStorage", "FsspecStorage", "storage_for", "check_regular_file"]
 
 
 class Reader:
@@ -62,6 +62,28 @@ class Reader:
             f"{self.name}: wanted {wanted} bytes at offset {offset}, the file ended after {got}; "
             f"it is truncated (size now {self.size_bytes} bytes)"
         )
+
+
+class BufferReader(Reader):
+    """A :class:`Reader` over bytes already in memory (e.g. a map of the file), named ``name``.
+
+    Lets code that parses a file through a reader (``read_header``) parse a
+    mapping without opening the file again. Reads past the end raise ``EOFError``.
+    """
+
+    def __init__(self, name: str, buffer):
+        self._view = memoryview(buffer).cast("B")
+        super().__init__(name, len(self._view))
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        out = out.cast("B") if out.format != "B" else out
+        got = max(0, min(len(out), self.size_bytes - offset))
+        if got < len(out):
+            raise self._short(offset, len(out), got)
+        out[:] = self._view[offset:offset + len(out)]
+
+    def close(self) -> None:
+        self._view.release()
 
 
 class _LocalReader(Reader):
