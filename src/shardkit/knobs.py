@@ -106,6 +106,14 @@ DIRECT_IO_QUEUE_DEPTH: int = 4
 #: either way; ``validate_distributed`` always re-hashes every byte.
 VERIFY_ON_LOAD: bool = False
 
+#: Distributed loads (``load_distributed``, ``reshard``, ``load_consolidated``)
+#: that allocate their outputs return, for a tensor whose whole output is one
+#: contiguous byte range of one local file, a tensor over a private
+#: (copy-on-write) map of that range instead of a copy, unless called with
+#: ``verify=True``. Mapped tensors are not hashed (``validate_distributed``
+#: is their check). False: always copy.
+MAP_LOADS: bool = True
+
 #: ``load_distributed(out=...)`` reads a GPU or non-contiguous ``out`` tensor
 #: through a temporary CPU tensor; temporaries of at most this many bytes are
 #: alive at once (a larger tensor is staged alone), so loading a GPU state

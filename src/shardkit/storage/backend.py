@@ -43,6 +43,17 @@ class Reader:
     def read_into(self, offset: int, out: memoryview) -> None:
         raise NotImplementedError
 
+    def map_range(self, offset: int, nbytes: int) -> "memoryview | None":
+        """``nbytes`` of the file at ``offset`` as a writable, copy-on-write map, or None where this reader cannot map.
+
+        Nothing is read now (pages come from the page cache when touched);
+        writes to the view stay private to this process and never reach the
+        file. The view keeps its map alive (after :meth:`close` too). Only
+        local files map; other readers return None and callers read instead.
+        A file truncated in place while the view lives raises SIGBUS on access.
+        """
+        return None
+
     def read(self, offset: int, length: int) -> bytes:
         buf = bytearray(length)
         self.read_into(offset, memoryview(buf))
@@ -132,6 +143,16 @@ class _LocalReader(Reader):
             if n == 0:
                 raise self._short(offset, len(out), done)
             done += n
+
+    def map_range(self, offset: int, nbytes: int) -> "memoryview | None":
+        if nbytes <= 0 or offset < 0 or offset + nbytes > self.size_bytes or self._fd < 0:
+            return None
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            private = mmap.mmap(self._fd, offset + nbytes - start, access=mmap.ACCESS_COPY, offset=start)
+        except (OSError, ValueError):  # not mappable: the caller reads instead
+            return None
+        return memoryview(private)[offset - start:offset - start + nbytes]
 
     def _mapped_address(self) -> int:
         with self._map_lock:
