@@ -88,7 +88,9 @@ def test_opt_out_copies(tmp_path, monkeypatch, how):
     assert not calls and bits_equal(got["w"], full["w"])
 
 
-def test_mapped_load_skips_the_hash_and_validate_catches_the_flip(tmp_path):
+def test_mapped_load_skips_the_hash_and_validate_catches_the_flip(tmp_path, monkeypatch):
+    # Small blocks: the header's own blocks (always verified) do not reach the flipped byte.
+    monkeypatch.setattr(knobs, "CHECKSUM_BLOCK_BYTES", 64)
     full = _state()
     save_full(full, tmp_path, 1, {})
     _flip_last_byte(tmp_path)
@@ -96,3 +98,39 @@ def test_mapped_load_skips_the_hash_and_validate_catches_the_flip(tmp_path):
     assert not validate_distributed(str(tmp_path)).ok
     with pytest.raises(ChecksumError):
         load_distributed(str(tmp_path), 0, 1, verify=True)
+
+
+@pytest.mark.parametrize("how", ["resharded", "in_place", "no_maps"])
+def test_a_flipped_byte_is_caught_by_a_default_copying_load(tmp_path, monkeypatch, how):
+    full = {n: t for n, t in _state().items() if n != "r"}
+    save_full(full, tmp_path, 2, {"w": 1, "v": 1})  # dim 1: a resharded rank's slice is strided
+    _flip_last_byte(tmp_path)
+    with pytest.raises(ChecksumError, match="do not match their checksum"):
+        if how == "resharded":
+            reshard(str(tmp_path), 2, 1, 0)
+        elif how == "in_place":
+            out = {n: torch.empty_like(rank_slice(t, 1, [t.shape[1] // 2 + t.shape[1] % 2, t.shape[1] // 2], 1))
+                   for n, t in full.items()}
+            load_distributed(str(tmp_path), 1, 2, out=out)
+        else:
+            monkeypatch.setattr(knobs, "MAP_LOADS", False)
+            load_distributed(str(tmp_path), 1, 2)
+
+
+def test_partly_read_blocks_are_verified_whole(tmp_path, monkeypatch):
+    # Small blocks, a read that covers a block only in part: the unread rest is hashed too.
+    monkeypatch.setattr(knobs, "CHECKSUM_BLOCK_BYTES", 64)
+    monkeypatch.setattr(knobs, "MAP_LOADS", False)
+    full = {"a": torch.arange(40, dtype=torch.float32), "b": torch.arange(40, dtype=torch.float32) + 100}
+    save_full(full, tmp_path, 1, {})
+    assert bits_equal(load_distributed(str(tmp_path), 0, 1, keys=["b"])["b"], full["b"])
+    path = _data_files(tmp_path)[0]
+    with open(path, "r+b") as f:  # corrupt a's last byte, which shares a block with b's first bytes
+        from shardkit.storage import read_header, storage_for
+        store, _ = storage_for(path)
+        with store.open_reader(path) as r:
+            a_end = read_header(r).tensors["a"].end
+        f.seek(a_end - 1)
+        f.write(b"\x55")
+    with pytest.raises(ChecksumError):
+        load_distributed(str(tmp_path), 0, 1, keys=["b"])

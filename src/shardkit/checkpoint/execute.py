@@ -257,18 +257,19 @@ def _check_entry(files: OpenFiles, name: str, chunk: ChunkRead, dtype: torch.dty
 
 
 def _batches(reads: list[tuple[int, memoryview]]):
-    """Cut direct reads into jobs of about _JOB_BYTES, splitting big ones, for the threads."""
-    batch, size = [], 0
+    """Group direct reads into jobs by the ``_JOB_BYTES`` window of the file they fall in (big ones cut at
+    window edges), for the threads.
+
+    Windows start at file offsets that are multiples of ``_JOB_BYTES`` (so of any
+    checksum block size dividing it): no verified block is shared by two jobs,
+    which would each read and hash it.
+    """
+    windows: dict[int, list[tuple[int, memoryview]]] = {}
     for offset, view in reads:
-        for start in range(0, len(view), _JOB_BYTES):
-            part = view[start:start + _JOB_BYTES]
-            batch.append((offset + start, part))
-            size += len(part)
-            if size >= _JOB_BYTES:
-                yield batch
-                batch, size = [], 0
-    if batch:
-        yield batch
+        cuts = range(_JOB_BYTES - offset % _JOB_BYTES, len(view), _JOB_BYTES)
+        for start, stop in zip([0, *cuts], [*cuts, len(view)]):
+            windows.setdefault((offset + start) // _JOB_BYTES, []).append((offset + start, view[start:stop]))
+    return [windows[w] for w in sorted(windows)]
 
 
 def _read_direct(files: OpenFiles, file: str, reads: list[tuple[int, memoryview]]) -> None:

@@ -43,6 +43,28 @@ class Reader:
     def read_into(self, offset: int, out: memoryview) -> None:
         raise NotImplementedError
 
+    def read_into_hashed(self, offset: int, out: memoryview, hasher) -> None:
+        """Fill ``out`` from ``offset`` like :meth:`read_into`, feeding the same bytes to ``hasher`` (``.update``).
+
+        The bytes are hashed while they are hot: the read goes in slices of
+        ``knobs.HASH_SLICE_BYTES`` (cache-sized), each hashed right after it
+        is read, on this thread -- never a second pass over ``out``.
+        """
+        out = out.cast("B") if out.format != "B" else out
+        step = max(1, knobs.HASH_SLICE_BYTES)
+        for start in range(0, len(out), step):
+            piece = out[start:start + step]
+            self.read_into(offset + start, piece)
+            hasher.update(piece)
+
+    def hash_range(self, offset: int, nbytes: int, hasher) -> None:
+        """Feed ``nbytes`` of the file at ``offset`` to ``hasher`` without keeping them (a bounded scratch buffer)."""
+        scratch = memoryview(bytearray(min(nbytes, max(1, knobs.HASH_SLICE_BYTES))))
+        for start in range(0, nbytes, len(scratch) or 1):
+            piece = scratch[:min(len(scratch), nbytes - start)]
+            self.read_into(offset + start, piece)
+            hasher.update(piece)
+
     def map_range(self, offset: int, nbytes: int) -> "memoryview | None":
         """``nbytes`` of the file at ``offset`` as a writable, copy-on-write map, or None where this reader cannot map.
 
@@ -143,6 +165,29 @@ class _LocalReader(Reader):
             if n == 0:
                 raise self._short(offset, len(out), done)
             done += n
+
+    def read_into_hashed(self, offset: int, out: memoryview, hasher) -> None:
+        # Large reads: hash each slice of the page-cache map (bringing it into
+        # the cache), then copy the now-hot slice out: the file's bytes cross
+        # the memory bus once for both. Else read, then hash what was read.
+        out = out.cast("B") if out.format != "B" else out
+        if not (knobs.MMAP_READS and len(out) >= knobs.MMAP_READ_MIN_BYTES
+                and offset + len(out) <= self.size_bytes and self._mapped_address()):
+            return super().read_into_hashed(offset, out, hasher)
+        base, dst, step = self._map_address, buffer_address(out), max(1, knobs.HASH_SLICE_BYTES)
+        with memoryview(self._map) as whole:
+            for start in range(0, len(out), step):
+                n = min(step, len(out) - start)
+                hasher.update(whole[offset + start:offset + start + n])
+                copy_bytes(dst + start, base + offset + start, n)
+        self._unmap_pages(offset, len(out))
+
+    def hash_range(self, offset: int, nbytes: int, hasher) -> None:
+        if not (knobs.MMAP_READS and 0 <= offset and offset + nbytes <= self.size_bytes and self._mapped_address()):
+            return super().hash_range(offset, nbytes, hasher)
+        with memoryview(self._map) as whole:  # straight from the page cache: no copy
+            hasher.update(whole[offset:offset + nbytes])
+        self._unmap_pages(offset, nbytes)
 
     def map_range(self, offset: int, nbytes: int) -> "memoryview | None":
         if nbytes <= 0 or offset < 0 or offset + nbytes > self.size_bytes or self._fd < 0:
