@@ -65,6 +65,12 @@ MAX_CHECKSUM_BLOCK_BYTES: int = 1 << 30
 MAX_INDEX_TENSORS: int = 1_000_000
 MAX_METRICS: int = 10_000
 
+#: What ``mmap="auto"`` (the default) means for ``shardkit.hf.load_checkpoint``:
+#: True maps local safetensors files copy-on-write in dict mode and with
+#: ``assign=True`` (zero-copy, as ``safetensors.torch.load_file`` does);
+#: False reads every tensor into fresh memory.
+HF_MMAP_LOADS: bool = True
+
 #: Threads used to read files in parallel inside one process.
 IO_THREADS: int = 4
 
@@ -93,12 +99,27 @@ DIRECT_IO: bool = True
 DIRECT_IO_BLOCK_BYTES: int = 16 * 1024 * 1024
 DIRECT_IO_QUEUE_DEPTH: int = 4
 
-#: Whether checkpoint loads hash every checksum block they read and compare it
-#: with the saved record (``verify=None`` in ``shardkit.checkpoint`` loads means
-#: this value). Off by default: measured on the 2-core box, hashing added 17-35%
-#: to a warm 1 GiB load (over the 10% budget). Sizes and headers are checked
-#: either way; ``validate_distributed`` always re-hashes every byte.
-VERIFY_ON_LOAD: bool = False
+#: Verified reads hash and copy in slices of this many bytes, each slice hashed
+#: while its bytes are hot in the cache (4 slices in flight fit the 32 MiB L3 of
+#: the 2-core box; 256 KiB and 1 MiB slices cost more CPU there in Python calls) (``storage.backend.Reader.read_into_hashed``).
+HASH_SLICE_BYTES: int = 4 * 1024 * 1024
+
+#: Whether checkpoint loads that copy hash every checksum block they read and
+#: compare it with the saved record (``verify=None`` in ``shardkit.checkpoint``
+#: loads means this value). On by default: each block is hashed slice by slice
+#: while its bytes are hot, in the copy loop (``HASH_SLICE_BYTES``), so it costs
+#: a few percent of a warm load (it was 17-35% as a second pass). Outputs
+#: mapped zero-copy (``MAP_LOADS``) are not hashed unless ``verify=True``;
+#: ``validate_distributed`` always re-hashes every byte.
+VERIFY_ON_LOAD: bool = True
+
+#: Distributed loads (``load_distributed``, ``reshard``, ``load_consolidated``)
+#: that allocate their outputs return, for a tensor whose whole output is one
+#: contiguous byte range of one local file, a tensor over a private
+#: (copy-on-write) map of that range instead of a copy, unless called with
+#: ``verify=True``. Mapped tensors are not hashed (``validate_distributed``
+#: is their check). False: always copy.
+MAP_LOADS: bool = True
 
 #: ``load_distributed(out=...)`` reads a GPU or non-contiguous ``out`` tensor
 #: through a temporary CPU tensor; temporaries of at most this many bytes are

@@ -121,7 +121,7 @@ _CHILD = textwrap.dedent("""
     if sys.argv[3] == "convert":
         distributed_to_hf(sys.argv[1], sys.argv[2])
     else:
-        everything = load_consolidated(sys.argv[1])
+        everything = load_consolidated(sys.argv[1], verify=True)  # copies (a default load maps: no RSS)
     stop.set(); t.join()
     print(peak[0] - base)
 """)

@@ -63,6 +63,8 @@ def test_keys_reads_only_the_shards_holding_them(tmp_path, monkeypatch):
     opened = []
     real = LocalStorage.open_reader
     monkeypatch.setattr(LocalStorage, "open_reader", lambda self, p: opened.append(os.path.basename(p)) or real(self, p))
+    real_map = LocalStorage.map_private  # zero-copy loads (the default) map instead of opening a reader
+    monkeypatch.setattr(LocalStorage, "map_private", lambda self, p: opened.append(os.path.basename(p)) or real_map(self, p))
     out = load_checkpoint(str(tmp_path), None, keys={"w3"})
     assert list(out) == ["w3"] and torch.equal(out["w3"], sd["w3"])
     assert set(opened) == {"model.safetensors.index.json", index["weight_map"]["w3"]}

@@ -2,6 +2,9 @@ import struct
 
 import pytest
 import torch
+from shardkit.storage import BufferReader
+from shardkit.storage import BlockHasher
+from shardkit.storage import FileRecord
 from safetensors.torch import load_file
 
 from shardkit import knobs
@@ -140,3 +143,38 @@ def test_write_without_checksum_returns_no_record_and_a_valid_file(tmp_path):
     assert write_safetensors(LocalStorage(), path, list(t.items()), checksum=False) is None
     back = load_file(path)
     assert all(torch.equal(back[k], v) for k, v in t.items())
+
+
+class _CountingRemoteReader(BufferReader):
+    """A reader over memory that, like an object store, charges for every byte it reads."""
+
+    extra_reads_are_cheap = False
+
+    def __init__(self, data: bytes):
+        super().__init__("remote", data)
+        self.read_bytes = 0
+
+    def read_into(self, offset, out):
+        self.read_bytes += len(out)
+        super().read_into(offset, out)
+
+
+def _record_of(data: bytes, block_bytes: int) -> FileRecord:
+    hasher = BlockHasher(block_bytes)
+    hasher.update(memoryview(data))
+    return hasher.finish()
+
+
+def test_a_remote_verified_read_fetches_only_what_it_wants_and_verifies_whole_blocks():
+    block = 64
+    data = bytes(range(256)) * 2                       # 512 bytes: 8 blocks
+    record = _record_of(data, block)
+    reader = _CountingRemoteReader(data)
+    wanted = [(10, memoryview(bytearray(20))), (128, memoryview(bytearray(block * 2)))]   # part of block 0; blocks 2-3
+    read_ranges(reader, wanted, record)
+    assert reader.read_bytes == 20 + 2 * block         # nothing outside the reads
+    assert bytes(wanted[0][1]) == data[10:30] and bytes(wanted[1][1]) == data[128:256]
+    corrupt = bytearray(data)
+    corrupt[130] ^= 0xFF                               # inside block 2, which the second read covers whole
+    with pytest.raises(ChecksumError):
+        read_ranges(_CountingRemoteReader(bytes(corrupt)), [(128, memoryview(bytearray(block * 2)))], record)

@@ -70,8 +70,14 @@ def _warm_loads(case: str, cases: dict, workdir: str, reps: int, nbytes: int) ->
 def bench_load(state, workdir: str, reps: int) -> list[dict]:
     """Loads into fresh memory, each impl from its own files, warm cache, interleaved."""
     return _warm_loads("load, 1 rank, warm cache", {
-        "shardkit": ("load-shardkit", lambda p: save_distributed(state, p, 0, 1, SINGLE),
-                     lambda p: load_distributed(p, 0, 1)),
+        "shardkit (default: zero-copy map)": ("load-shardkit", lambda p: save_distributed(state, p, 0, 1, SINGLE),
+                                               lambda p: load_distributed(p, 0, 1)),
+        "shardkit (default) + pages touched": ("load-shardkit-touch",
+                                               lambda p: save_distributed(state, p, 0, 1, SINGLE),
+                                               lambda p: _touch(load_distributed(p, 0, 1))),
+        "shardkit verify=True (copies, hashes)": ("load-shardkit-copy",
+                                                  lambda p: save_distributed(state, p, 0, 1, SINGLE),
+                                                  lambda p: load_distributed(p, 0, 1, verify=True)),
         "torch.distributed.checkpoint.load": ("load-dcp", lambda p: peers.dcp_save(state, p),
                                               lambda p: peers.dcp_load(state, p)),
         "torch.load(weights_only=True)": ("load-pt", lambda p: peers.torch_save(state, p), peers.torch_load),
@@ -80,6 +86,40 @@ def bench_load(state, workdir: str, reps: int) -> list[dict]:
         "read from page cache, 1 thread (limit)": ("load-raw", lambda p: peers.raw_write(state, p),
                                                    lambda p: peers.raw_read(state, p)),
     }, workdir, reps, state_bytes(state))
+
+
+def _touch(tree) -> None:
+    """Read one element per page of every tensor in a (nested) state."""
+    if isinstance(tree, dict):
+        for value in tree.values():
+            _touch(value)
+    elif isinstance(tree, torch.Tensor) and tree.numel():
+        tree.reshape(-1)[:: max(1, 4096 // tree.element_size())].sum()
+
+
+def bench_verify(state, workdir: str, reps: int) -> list[dict]:
+    """A copying load (``knobs.MAP_LOADS`` off) with and without hashing every block, interleaved.
+
+    The figure the issue's "verified load <= 1.1x unverified" is about: the
+    hash runs in the copy loop while the bytes are hot.
+    """
+    from shardkit import knobs
+
+    path = os.path.join(workdir, "verify")
+    shutil.rmtree(path, ignore_errors=True)
+    save_distributed(state, path, 0, 1, SINGLE)
+    saved, knobs.MAP_LOADS = knobs.MAP_LOADS, False
+    try:
+        load_distributed(path, 0, 1, verify=False)  # warm the cache, untimed
+        timings = time_interleaved({
+            "shardkit copying load, verify=False": lambda: load_distributed(path, 0, 1, verify=False),
+            "shardkit copying load, verified (the default)": lambda: load_distributed(path, 0, 1, verify=True),
+        }, reps)
+    finally:
+        knobs.MAP_LOADS = saved
+        shutil.rmtree(path, ignore_errors=True)
+    return [row("load: verified vs not (copies), warm cache", impl, timing, bytes=state_bytes(state))
+            for impl, timing in timings.items()]
 
 
 def bench_load_into(state, workdir: str, reps: int) -> list[dict]:
@@ -164,6 +204,7 @@ def run_checkpoint_benchmarks(size_bytes: int, reps: int, workdir: str, cases=("
     if "load" in cases:
         rows += bench_load(state, workdir, reps)
         rows += bench_load_into(state, workdir, reps)
+        rows += bench_verify(state, workdir, reps)
     if "async" in cases:
         rows += bench_async(state, workdir, reps)
     return rows

@@ -49,16 +49,23 @@ _JOB_BYTES = 64 * 1024 * 1024
 class OpenFiles:
     """Data files opened on demand, each checked once: size vs record, then its header."""
 
-    def __init__(self, storage: Storage, directory: str, records: dict[str, FileRecord], *, verify: bool):
+    def __init__(self, storage: Storage, directory: str, records: dict[str, FileRecord], *, verify: bool,
+                 may_map: bool = False):
         self.storage, self.directory, self.records, self.verify = storage, directory, records, verify
+        self.may_map = may_map  # run_loads may return outputs over maps of the files (see _mapped_output)
         self._open: dict[str, tuple[Reader, SafetensorsHeader]] = {}
         self._lock = threading.Lock()
 
     @classmethod
     def for_load(cls, storage: Storage, directory: str, m: Manifest, verify: bool | None) -> "OpenFiles":
-        """The data files of checkpoint ``m``, checked against its records; ``verify=None`` means ``knobs.VERIFY_ON_LOAD``."""
+        """The data files of checkpoint ``m``, checked against its records; ``verify=None`` means ``knobs.VERIFY_ON_LOAD``.
+
+        Outputs may be mapped (zero-copy, unverified) unless ``verify`` is True
+        (explicitly asked for: every byte is then read and hashed).
+        """
+        may_map = verify is not True and knobs.MAP_LOADS
         verify = knobs.VERIFY_ON_LOAD if verify is None else bool(verify)
-        return cls(storage, directory, file_records(storage, directory, m), verify=verify)
+        return cls(storage, directory, file_records(storage, directory, m), verify=verify, may_map=may_map)
 
     def get(self, file: str) -> tuple[Reader, SafetensorsHeader, FileRecord | None]:
         with self._lock:
@@ -120,7 +127,11 @@ def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str
     >>> run_loads(files, plans, dtypes.__getitem__, {"w": model_w})["w"] is model_w
     """
     check_plans(files, plans, dtype_of)  # headers first: nothing is allocated for a shape no file holds
-    outputs = {p.name: _output(p, dtype_of(p.name), outputs or {}) for p in plans}
+    given = outputs or {}
+    mapped = {p.name: t for p in plans if p.name not in given
+              for t in [_mapped_output(files, p, dtype_of(p.name))] if t is not None}
+    plans = [p for p in plans if p.name not in mapped]
+    outputs = {**mapped, **{p.name: _output(p, dtype_of(p.name), given) for p in plans}}
     jobs: list[Callable[[], None]] = []
     direct: dict[str, list[tuple[int, memoryview]]] = {}
     for plan in plans:
@@ -140,6 +151,36 @@ def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str
             jobs.append(lambda f=file, rs=batch: _read_direct(files, f, rs))
     run_parallel(jobs)
     return outputs
+
+
+def _mapped_output(files: OpenFiles, plan: TensorLoad, dtype: torch.dtype) -> torch.Tensor | None:
+    """The output over a private (copy-on-write) map of the file, when that is a zero-copy load.
+
+    Only when the whole output is ONE contiguous byte range of one local file
+    (the same-world-size load, a replicated tensor, a ``Shard(0)`` chunk),
+    and the load was not asked to verify (``files.may_map``: ``verify=True``
+    reads and hashes every byte, so it copies). Such a tensor is not hashed
+    (``validate_distributed`` is the check); nothing is read here, pages come
+    from the page cache when touched, writes stay private. None otherwise:
+    the caller allocates and reads.
+    """
+    if not files.may_map or len(plan.reads) != 1 or len(plan.reads[0].pieces) != 1:
+        return None
+    chunk, piece = plan.reads[0], plan.reads[0].pieces[0]
+    numel = 1
+    for size in plan.out_shape:
+        numel *= size
+    if not piece.direct or piece.dst_start != 0 or piece.src_numel != numel or numel == 0:
+        return None
+    reader, header, _ = files.get(chunk.file)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    offset = header.tensors[plan.name].begin + piece.src_start * itemsize
+    if offset % itemsize:
+        return None
+    view = reader.map_range(offset, numel * itemsize)
+    if view is None:
+        return None
+    return torch.frombuffer(view, dtype=dtype, count=numel).view(plan.out_shape)
 
 
 def _output(plan: TensorLoad, dtype: torch.dtype, given: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -216,18 +257,19 @@ def _check_entry(files: OpenFiles, name: str, chunk: ChunkRead, dtype: torch.dty
 
 
 def _batches(reads: list[tuple[int, memoryview]]):
-    """Cut direct reads into jobs of about _JOB_BYTES, splitting big ones, for the threads."""
-    batch, size = [], 0
+    """Group direct reads into jobs by the ``_JOB_BYTES`` window of the file they fall in (big ones cut at
+    window edges), for the threads.
+
+    Windows start at file offsets that are multiples of ``_JOB_BYTES`` (so of any
+    checksum block size dividing it): no verified block is shared by two jobs,
+    which would each read and hash it.
+    """
+    windows: dict[int, list[tuple[int, memoryview]]] = {}
     for offset, view in reads:
-        for start in range(0, len(view), _JOB_BYTES):
-            part = view[start:start + _JOB_BYTES]
-            batch.append((offset + start, part))
-            size += len(part)
-            if size >= _JOB_BYTES:
-                yield batch
-                batch, size = [], 0
-    if batch:
-        yield batch
+        cuts = range(_JOB_BYTES - offset % _JOB_BYTES, len(view), _JOB_BYTES)
+        for start, stop in zip([0, *cuts], [*cuts, len(view)]):
+            windows.setdefault((offset + start) // _JOB_BYTES, []).append((offset + start, view[start:stop]))
+    return [windows[w] for w in sorted(windows)]
 
 
 def _read_direct(files: OpenFiles, file: str, reads: list[tuple[int, memoryview]]) -> None:

@@ -5,15 +5,23 @@ manifests), plans the byte ranges that overlap what is wanted
 (``plan.py``) and reads only those (``execute.py``). Nothing is loaded
 whole unless it is asked for whole.
 
-**Verification**: with ``verify=True`` every checksum block a load touches
-(and each file's header) is hashed and compared with the saved record, so a
-corrupt byte raises :class:`ChecksumError`. ``verify=None`` means
-``knobs.VERIFY_ON_LOAD``, which is **False**: hashing measured 17-35% of a
-warm 1 GiB load on the 2-core reference box, over the 10% budget. Without
-it a load still refuses a file whose size differs from its record
-(:class:`IncompleteCheckpointError`) and any header that does not match the
-metadata; ``validate_distributed`` always re-hashes every byte. Seed-format
-directories have no checksums; their sizes are checked against the headers.
+**Verification**: a load that copies hashes every checksum block it
+touches (and each file's header) and compares it with the saved record, so
+a corrupt byte raises :class:`ChecksumError`; ``verify=None`` means
+``knobs.VERIFY_ON_LOAD``, **True**: the blocks are hashed while their bytes
+are hot, in the copy loop, a few percent of the load. **Zero-copy**: where
+this rank's whole output tensor is one contiguous byte range of one local
+file (the same-world-size load, a replicated tensor, a ``Shard(0)`` chunk)
+and ``out`` is not given, the tensor is returned over a private
+(copy-on-write) map of that range instead (``knobs.MAP_LOADS``): nothing is
+read until touched, pages are shared with the page cache, writes never
+reach the file, and a file truncated in place while it lives raises SIGBUS
+(shardkit's saves replace files by rename). Mapped tensors are **not**
+hashed: ``validate_distributed`` is their check; ``verify=True`` copies and
+hashes everything, ``verify=False`` hashes nothing. Every load still refuses
+a file whose size differs from its record (:class:`IncompleteCheckpointError`)
+and any header that does not match the metadata. Seed-format directories
+have no checksums; their sizes are checked against the headers.
 
 **In place** (``out=``): :func:`load_distributed` can fill the tensors a
 training job already has, like ``torch.distributed.checkpoint.load`` or

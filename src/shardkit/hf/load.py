@@ -2,8 +2,10 @@
 
 Module mode fills an ``nn.Module``: each tensor is read from the file straight
 into the parameter's memory when it is a CPU tensor of the same dtype and
-shape (no intermediate copy), then tied parameters are tied again. Dict mode
-returns ``{name: tensor}``. ``keys=`` opens only the shards that hold those
+shape (no intermediate copy), then tied parameters are tied again; with
+``assign=True`` the parameters become tensors over maps of the files
+(zero-copy, see :func:`load_checkpoint`). Dict mode returns ``{name: tensor}``,
+by default over copy-on-write maps of local safetensors files (zero-copy). ``keys=`` opens only the shards that hold those
 keys. ``.bin`` files go through ``torch.load(weights_only=True)`` only. This
 module does not save, and does not choose among checkpoints in a directory.
 
@@ -21,6 +23,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
+from shardkit import knobs
 from shardkit.dtypes import from_safetensors_name
 from shardkit.errors import MetadataError, MissingShardError, TensorMismatchError
 from shardkit.hf.bin_io import read_bin_shard
@@ -48,7 +51,7 @@ def load_checkpoint(
     assign: bool = False,
     keys: Optional[Set[str]] = None,
     *,
-    mmap: bool = False,
+    mmap: Union[bool, str] = "auto",
 ) -> Union[None, Dict[str, Tensor]]:
     """Load the checkpoint in ``model_dir``, whatever its Hugging Face layout.
 
@@ -58,13 +61,38 @@ def load_checkpoint(
     loads into it and returns None; with ``module=None`` returns the tensors
     (only ``keys`` if given). Raises ``MissingShardError`` if none is there.
 
-    ``mmap=True`` (local safetensors files, dict mode or ``assign=True``)
-    returns tensors over copy-on-write maps of the files instead of reading
-    them: the call returns before any tensor byte is read, and memory is
-    shared with the page cache until a tensor is modified (modifications
-    never reach the file). Like ``safetensors.torch.load_file``; the files
-    must not be rewritten in place while the tensors live. Loading into a
-    module without ``assign`` copies into the parameters either way.
+    **Zero-copy by default** (``mmap="auto"``, the default, follows
+    ``knobs.HF_MMAP_LOADS``, True): local safetensors files in dict mode or
+    with ``assign=True`` come back as tensors over copy-on-write
+    (``MAP_PRIVATE``) maps of the files instead of being read, as
+    ``safetensors.torch.load_file`` and ``from_pretrained`` do. What that means:
+
+    - the call returns before any tensor byte is read; pages come from the
+      page cache (or disk) when first touched, and are shared with the page
+      cache -- and with every other process that maps the same file -- until
+      a tensor is written to;
+    - copy-on-write: writing to a loaded tensor copies that page privately;
+      it never reaches the file;
+    - truncation caveat: a file truncated or rewritten *in place* while its
+      tensors live makes touching them fail with SIGBUS (the process dies).
+      shardkit's own saves (and ``save_pretrained``) replace files whole by
+      rename, so an overwrite by them is safe: the tensors keep the old file;
+    - no content check: safetensors files carry no checksums (and zero-copy
+      loads hash nothing); the sizes and header are checked as always.
+      ``validate_checkpoint`` is the corruption check for these loads.
+
+    Copies are made otherwise: ``.bin`` files, remote (fsspec) files, tensors
+    whose offset in the file is not aligned to their element size, and a
+    module load with ``assign=False`` (the default), which copies into the
+    module's own parameters. Opt out with ``mmap=False`` (or
+    ``knobs.HF_MMAP_LOADS = False`` for every ``"auto"`` call): every tensor
+    is then read into fresh memory. ``mmap=True`` maps where it can whatever
+    the knob.
+
+    Example::
+
+        sd = load_checkpoint("out/model", None)               # zero-copy dict
+        sd = load_checkpoint("out/model", None, mmap=False)   # private copies
     """
     from shardkit.hf.directory import get_checkpoint_metadata
 
@@ -136,7 +164,7 @@ def load_sharded_checkpoint(
     debug: bool = False,
     keys: Optional[Set[str]] = None,
     *,
-    mmap: bool = False,
+    mmap: Union[bool, str] = "auto",
 ) -> Union[Set[str], Dict[str, Tensor]]:
     """Load the tensors ``shard_index`` describes from ``model_dir``.
 
@@ -156,11 +184,20 @@ def load_sharded_checkpoint(
             f"module must be an nn.Module to load into, or None to get a dict; got {type(module).__name__}"
         )
     check_index(shard_index, "", source="shard_index", suffixes=(".safetensors", ".bin"))
+    mmap = _wants_map(mmap)
     weight_map = shard_index["weight_map"]
     aliases = {a: s for a, s in alias_to_source(sharing_of(shard_index)).items() if s in weight_map}
     if module is None:
         return _load_dict(model_dir, weight_map, aliases, device, safetensors, keys, debug, mmap)
     return _load_module(model_dir, shard_index, aliases, module, device, safetensors, strict, assign, debug, mmap)
+
+
+def _wants_map(mmap) -> bool:
+    if mmap == "auto":
+        return bool(knobs.HF_MMAP_LOADS)
+    if isinstance(mmap, bool):
+        return mmap
+    raise TypeError(f"mmap must be True, False or \"auto\", got {mmap!r}")
 
 
 def _load_dict(model_dir, weight_map, aliases, device, safetensors, keys, debug, mmap) -> Dict[str, Tensor]:

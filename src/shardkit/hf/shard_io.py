@@ -20,7 +20,7 @@ from shardkit import knobs
 from shardkit.dtypes import from_safetensors_name, itemsize_bytes, to_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.hf.untrusted import hostile_input, require_regular_file
-from shardkit.storage import Storage, byte_view, read_header, read_ranges, run_parallel
+from shardkit.storage import BufferReader, Storage, byte_view, read_header, read_ranges, run_parallel
 
 __all__ = ["map_shard", "read_shard", "read_shard_into", "shard_header"]
 
@@ -81,7 +81,7 @@ def map_shard(storage: Storage, path: str, names: list[str]) -> dict[str, torch.
     Nothing is read now: pages come from the page cache (or disk) when the
     tensors are first touched, and memory is shared with the page cache until
     a tensor is written to (writes stay private, never reaching the file).
-    The header is checked as in :func:`read_shard`. A tensor whose offset is
+    The header is checked as in :func:`read_shard`, read from the map itself. A tensor whose offset is
     not a multiple of its element size, or an empty one, is read into fresh
     memory instead. The file must not be truncated or rewritten in place
     while the tensors live (shardkit and transformers replace files whole);
@@ -91,7 +91,8 @@ def map_shard(storage: Storage, path: str, names: list[str]) -> dict[str, torch.
     mapping = storage.map_private(path)
     if mapping is None:
         return None
-    header = shard_header(storage, path)
+    with BufferReader(path, mapping) as in_memory:  # the header from the map: the file is opened once
+        header = _checked_header(in_memory, path)
     out, copies = {}, []
     for name in names:
         entry = _entry(header, path, name)

@@ -5,7 +5,7 @@ a rank needs; ``shardkit.checkpoint`` plans that and calls in here.
 """
 
 from shardkit.storage.atomic import atomic_local_writer, fsync_dir, is_temp_name, start_writeback, temp_name
-from shardkit.storage.backend import FsspecStorage, LocalStorage, Reader, Storage, storage_for
+from shardkit.storage.backend import BufferReader, FsspecStorage, LocalStorage, Reader, Storage, storage_for
 from shardkit.storage.base import StreamSink
 from shardkit.storage.fsspec_store import fetched_bytes
 from shardkit.storage.lock import is_lock_name
@@ -26,6 +26,7 @@ from shardkit.storage.writer import LazyTensor, TensorLike, write_safetensors
 __all__ = [
     "ALGORITHM",
     "BlockHasher",
+    "BufferReader",
     "FileRecord",
     "FsspecStorage",
     "LazyTensor",

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import os
 
-from shardkit.storage.base import Reader, Storage
+from shardkit.storage.base import BufferReader, Reader, Storage
 from shardkit.storage.fsspec_store import FsspecStorage
 from shardkit.storage.local import LocalStorage, check_regular_file
 
-__all__ = ["Reader", "Storage", "LocalStorage", "FsspecStorage", "storage_for", "check_regular_file"]
+__all__ = ["BufferReader", "Reader", "Storage", "LocalStorage", "FsspecStorage", "storage_for", "check_regular_file"]
 
 
 def storage_for(path: str | os.PathLike) -> tuple[Storage, str]:

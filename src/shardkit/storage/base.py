@@ -18,11 +18,21 @@ import contextlib
 import mmap
 from typing import BinaryIO
 
-__all__ = ["Reader", "Storage", "StreamSink"]
+from shardkit import knobs
+
+__all__ = ["BufferReader", "Reader", "Storage", "StreamSink"]
 
 
 class Reader:
-    """An open file that reads at explicit offsets (no shared seek position for local files)."""
+    """An open file that reads at explicit offsets (no shared seek position for local files).
+
+    ``extra_reads_are_cheap`` says whether reading bytes nobody asked for costs
+    little (local files, memory: True) or a download (object stores: False);
+    verified reads use it to decide whether to fetch the rest of a checksum
+    block a read covers only in part (``storage.tensor_io.read_ranges``).
+    """
+
+    extra_reads_are_cheap = False
 
     def __init__(self, name: str, size_bytes: int):
         self.name = name
@@ -30,6 +40,39 @@ class Reader:
 
     def read_into(self, offset: int, out: memoryview) -> None:
         raise NotImplementedError
+
+    def read_into_hashed(self, offset: int, out: memoryview, hasher) -> None:
+        """Fill ``out`` from ``offset`` like :meth:`read_into`, feeding the same bytes to ``hasher`` (``.update``).
+
+        The bytes are hashed while they are hot: the read goes in slices of
+        ``knobs.HASH_SLICE_BYTES`` (cache-sized), each hashed right after it
+        is read, on this thread -- never a second pass over ``out``.
+        """
+        out = out.cast("B") if out.format != "B" else out
+        step = max(1, knobs.HASH_SLICE_BYTES)
+        for start in range(0, len(out), step):
+            piece = out[start:start + step]
+            self.read_into(offset + start, piece)
+            hasher.update(piece)
+
+    def hash_range(self, offset: int, nbytes: int, hasher) -> None:
+        """Feed ``nbytes`` of the file at ``offset`` to ``hasher`` without keeping them (a bounded scratch buffer)."""
+        scratch = memoryview(bytearray(min(nbytes, max(1, knobs.HASH_SLICE_BYTES))))
+        for start in range(0, nbytes, len(scratch) or 1):
+            piece = scratch[:min(len(scratch), nbytes - start)]
+            self.read_into(offset + start, piece)
+            hasher.update(piece)
+
+    def map_range(self, offset: int, nbytes: int) -> "memoryview | None":
+        """``nbytes`` of the file at ``offset`` as a writable, copy-on-write map, or None where this reader cannot map.
+
+        Nothing is read now (pages come from the page cache when touched);
+        writes to the view stay private to this process and never reach the
+        file. The view keeps its map alive (after :meth:`close` too). Only
+        local files map; other readers return None and callers read instead.
+        A file truncated in place while the view lives raises SIGBUS on access.
+        """
+        return None
 
     def read(self, offset: int, length: int) -> bytes:
         buf = bytearray(length)
@@ -50,6 +93,31 @@ class Reader:
             f"{self.name}: wanted {wanted} bytes at offset {offset}, the file ended after {got}; "
             f"it is truncated (size now {self.size_bytes} bytes)"
         )
+
+
+class BufferReader(Reader):
+    """A :class:`Reader` over bytes already in memory (e.g. a map of the file), named ``name``.
+
+    Lets code that parses a file through a reader (``read_header``) parse a
+    mapping without opening the file again. Reads past the end raise ``EOFError``.
+    """
+
+    extra_reads_are_cheap = True
+
+    def __init__(self, name: str, buffer):
+        self._view = memoryview(buffer).cast("B")
+        super().__init__(name, len(self._view))
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        out = out.cast("B") if out.format != "B" else out
+        got = max(0, min(len(out), self.size_bytes - offset))
+        if got < len(out):
+            raise self._short(offset, len(out), got)
+        out[:] = self._view[offset:offset + len(out)]
+
+    def close(self) -> None:
+        self._view.release()
+
 
 
 class StreamSink:

@@ -41,6 +41,8 @@ class _LocalReader(Reader):
     SIGBUS; shardkit itself only ever replaces files whole.
     """
 
+    extra_reads_are_cheap = True
+
     def __init__(self, path: str):
         check_regular_file(path)
         # O_NONBLOCK: should a FIFO replace the file after the check, opening it still does not block.
@@ -71,6 +73,40 @@ class _LocalReader(Reader):
             if n == 0:
                 raise self._short(offset, len(out), done)
             done += n
+
+    def read_into_hashed(self, offset: int, out: memoryview, hasher) -> None:
+        # Large reads: hash each slice of the page-cache map (bringing it into
+        # the cache), then copy the now-hot slice out: the file's bytes cross
+        # the memory bus once for both. Else read, then hash what was read.
+        out = out.cast("B") if out.format != "B" else out
+        if not (knobs.MMAP_READS and len(out) >= knobs.MMAP_READ_MIN_BYTES
+                and offset + len(out) <= self.size_bytes and self._mapped_address()):
+            return super().read_into_hashed(offset, out, hasher)
+        base, dst, step = self._map_address, buffer_address(out), max(1, knobs.HASH_SLICE_BYTES)
+        with memoryview(self._map) as whole:
+            for start in range(0, len(out), step):
+                n = min(step, len(out) - start)
+                hasher.update(whole[offset + start:offset + start + n])
+                copy_bytes(dst + start, base + offset + start, n)
+        self._unmap_pages(offset, len(out))
+
+    def hash_range(self, offset: int, nbytes: int, hasher) -> None:
+        if not (knobs.MMAP_READS and 0 <= offset and offset + nbytes <= self.size_bytes and self._mapped_address()):
+            return super().hash_range(offset, nbytes, hasher)
+        with memoryview(self._map) as whole:  # straight from the page cache: no copy
+            hasher.update(whole[offset:offset + nbytes])
+        self._unmap_pages(offset, nbytes)
+
+    def map_range(self, offset: int, nbytes: int) -> "memoryview | None":
+        if nbytes <= 0 or offset < 0 or offset + nbytes > self.size_bytes or self._fd < 0:
+            return None
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            private = mmap.mmap(self._fd, offset + nbytes - start, access=mmap.ACCESS_COPY, offset=start)
+        except (OSError, ValueError):  # not mappable: the caller reads instead
+            return None
+        return memoryview(private)[offset - start:offset - start + nbytes]
+
 
     def _mapped_address(self) -> int:
         with self._map_lock:

@@ -38,13 +38,21 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
     """Fill each ``(file_offset, buffer)`` in ``reads`` from the file.
 
     With ``record``, every checksum block that a read touches is verified
-    (raising :class:`~shardkit.errors.ChecksumError`); a block that lies
-    wholly inside one buffer is read straight into it and hashed there, so
-    verification adds hashing but no copy for large reads. Other blocks
-    stream through one scratch buffer of at most ``knobs.IO_CHUNK_BYTES``,
-    whatever the recorded block size; one sweep over the blocks in file order
-    keeps the work linear in blocks + reads. On a mismatch, buffers may
-    already hold the block's unverified bytes.
+    (raising :class:`~shardkit.errors.ChecksumError`), never skipped: a block
+    that lies wholly inside one buffer is read straight into it, each
+    cache-sized slice hashed right as it is copied (``Reader.read_into_hashed``:
+    no second pass, no extra copy). A block the reads cover only in part is
+    still verified whole: the bytes no read wants are read from the file and
+    hashed but not kept (``Reader.hash_range``: straight from the page-cache
+    map for local files, else through a scratch buffer of at most
+    ``knobs.HASH_SLICE_BYTES``), so at most one block's extra bytes at each
+    end of a read are hashed, none copied. Where extra bytes cost a download
+    (``reader.extra_reads_are_cheap`` is False: object stores), a block the
+    reads cover only in part is read without being verified instead, so a
+    rank still fetches only the bytes it needs; the blocks they cover whole
+    are verified, and ``validate_distributed`` hashes every byte. One sweep
+    over the blocks in file order keeps the work linear in blocks + reads. On
+    a mismatch, buffers may already hold the block's unverified bytes.
     """
     reads = [(offset, buf.cast("B") if buf.format != "B" else buf) for offset, buf in reads if len(buf)]
     if record is None:
@@ -53,7 +61,6 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
         return
     _check_size(reader, record)
     reads.sort(key=lambda r: r[0])
-    scratch: list[memoryview] = []  # allocated on first need, then reused
     active: list[tuple[int, memoryview]] = []
     next_read = 0
     for block in _touched_blocks(reads, record.block_bytes):
@@ -63,7 +70,29 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
             active.append(reads[next_read])
             next_read += 1
         active = [(off, buf) for off, buf in active if off + len(buf) > start]
-        _read_block(reader, record, block, start, stop, active, scratch)
+        if reader.extra_reads_are_cheap or _covered(active, start, stop):
+            _read_block(reader, record, block, start, stop, active)
+        else:
+            _read_unverified(reader, start, stop, active)
+
+
+def _covered(active: list[tuple[int, memoryview]], start: int, stop: int) -> bool:
+    """Whether the reads in ``active`` (sorted by offset) cover ``[start, stop)`` entirely."""
+    position = start
+    for offset, buf in active:
+        if offset > position:
+            return False
+        position = max(position, offset + len(buf))
+        if position >= stop:
+            return True
+    return position >= stop
+
+
+def _read_unverified(reader: Reader, start: int, stop: int, active: list[tuple[int, memoryview]]) -> None:
+    for offset, buf in active:
+        lo, hi = max(start, offset), min(stop, offset + len(buf))
+        if lo < hi:
+            reader.read_into(lo, buf[lo - offset:hi - offset])
 
 
 def _touched_blocks(reads: list[tuple[int, memoryview]], block_bytes: int):
@@ -92,30 +121,28 @@ def _check_size(reader: Reader, record: FileRecord) -> None:
 
 
 def _read_block(reader: Reader, record: FileRecord, block: int, start: int, stop: int,
-                active: list[tuple[int, memoryview]], scratch: list[memoryview]) -> None:
-    covering = next((i for i, (off, buf) in enumerate(active) if off <= start and stop <= off + len(buf)), None)
-    if covering is not None:
-        off, buf = active[covering]
-        source = buf[start - off : stop - off]
-        reader.read_into(start, source)
-        record.verify_block(block, source, file_name=reader.name)
-        _copy_out(source, start, active, skip=covering)
-        return
-    if not scratch:
-        scratch.append(memoryview(bytearray(min(knobs.IO_CHUNK_BYTES, record.block_bytes, record.bytes))))
+                active: list[tuple[int, memoryview]]) -> None:
+    """Read the active reads' parts of one block, hashing the whole block as it goes, in file order.
+
+    Covered bytes are read straight into their buffers (hashed slice by slice
+    while hot); bytes of the block no read wants are hashed from the file
+    without being kept (``Reader.hash_range``: from the page-cache map for
+    local files). Bytes two reads both want are hashed once.
+    """
     hasher = xxhash.xxh3_64()
-    for position in range(start, stop, len(scratch[0])):
-        source = scratch[0][: min(len(scratch[0]), stop - position)]
-        reader.read_into(position, source)
-        hasher.update(source)
-        _copy_out(source, position, active, skip=None)
+    position = start
+    for offset, buf in sorted(active, key=lambda r: r[0]):
+        lo, hi = max(start, offset), min(stop, offset + len(buf))
+        if lo >= hi:
+            continue
+        if lo > position:
+            reader.hash_range(position, lo - position, hasher)
+        elif lo < position:  # overlaps an earlier read: those bytes are hashed already
+            reader.read_into(lo, buf[lo - offset:min(hi, position) - offset])
+        if hi > position:
+            fresh = max(lo, position)
+            reader.read_into_hashed(fresh, buf[fresh - offset:hi - offset], hasher)
+            position = hi
+    if position < stop:
+        reader.hash_range(position, stop - position, hasher)
     record.verify_digest(block, hasher.hexdigest(), stop - start, file_name=reader.name)
-
-
-def _copy_out(source: memoryview, source_offset: int, active: list[tuple[int, memoryview]], skip: int | None) -> None:
-    """Copy the part of ``source`` (file bytes at ``source_offset``) that each active read wants."""
-    end = source_offset + len(source)
-    for i, (offset, buf) in enumerate(active):
-        lo, hi = max(source_offset, offset), min(end, offset + len(buf))
-        if lo < hi and i != skip:
-            buf[lo - offset : hi - offset] = source[lo - source_offset : hi - source_offset]
