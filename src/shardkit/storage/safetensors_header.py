@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -137,7 +137,7 @@ def parse_header(file_name: str, header_bytes: bytes, file_size: int) -> Safeten
     """
     fix = "the file is corrupt, truncated or not safetensors"
     data_start = 8 + len(header_bytes)
-    hook = _PackingHook(file_size - data_start)
+    hook = _packing_hook(file_size - data_start)
     obj = parse_json_object(f"{file_name}: the safetensors header", header_bytes, fix=fix, object_hook=hook)
     metadata = _metadata(file_name, obj.pop("__metadata__", None))
     if obj and max(map(len, obj)) > knobs.MAX_NAME_CHARS:
@@ -150,43 +150,39 @@ def parse_header(file_name: str, header_bytes: bytes, file_size: int) -> Safeten
     return SafetensorsHeader(data_start, TensorTable(obj, data_start), metadata, data_end)
 
 
-class _PackingHook:
-    """``object_hook`` that replaces a well-formed tensor entry by ``(dtype, shape, begin, end)``.
+def _packing_hook(data_bytes: int) -> Callable[[dict], object]:
+    """An ``object_hook`` that replaces a well-formed tensor entry by ``(dtype, shape, begin, end)``.
 
-    Accepts only what :func:`_entry` accepts (same checks, quicker) and
-    returns anything else unchanged, for :func:`_entry` to explain. JSON
+    It accepts only what :func:`_entry` accepts (the same checks, quicker)
+    and returns anything else unchanged, for :func:`_entry` to explain. JSON
     yields no tuples, so a tuple in the parsed header is an entry this hook
-    checked; one in a wrong place (inside a shape, in ``__metadata__``, the
-    whole header) fails the type checks there.
+    checked; one in a wrong place (inside a shape, as ``__metadata__``, as the
+    whole header) fails the type checks there. Knobs are read once, here.
     """
+    max_ndim, max_dim, shapes, itemsizes, prod = knobs.MAX_TENSOR_NDIM, knobs.MAX_TENSOR_DIM, {}, _ITEMSIZE, math.prod
 
-    __slots__ = ("data_bytes", "shapes")
-
-    def __init__(self, data_bytes: int):
-        self.data_bytes = data_bytes
-        self.shapes: dict[tuple, tuple] = {}  # one tuple per distinct shape
-
-    def __call__(self, raw: dict):
+    def hook(raw: dict):
         if len(raw) != 3:
             return raw
         try:
-            dtype, itemsize = _ITEMSIZE[raw["dtype"]]
+            dtype, itemsize = itemsizes[raw["dtype"]]
             shape, offsets = raw["shape"], raw["data_offsets"]
         except (KeyError, TypeError):
             return raw
-        if type(shape) is not list or type(offsets) is not list or len(offsets) != 2 \
-                or len(shape) > knobs.MAX_TENSOR_NDIM:
+        if type(shape) is not list or type(offsets) is not list or len(offsets) != 2 or len(shape) > max_ndim:
             return raw
         begin, end = offsets
-        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= self.data_bytes:
+        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= data_bytes:
             return raw
         for dim in shape:
-            if type(dim) is not int or not 0 <= dim <= knobs.MAX_TENSOR_DIM:
+            if type(dim) is not int or not 0 <= dim <= max_dim:
                 return raw
-        if math.prod(shape) * itemsize != end - begin:  # at most 64 dims of 63 bits: a bounded product
+        if prod(shape) * itemsize != end - begin:  # at most 64 dims of 63 bits: a bounded product
             return raw
         shape = tuple(shape)
-        return dtype, self.shapes.setdefault(shape, shape), begin, end
+        return dtype, shapes.setdefault(shape, shape), begin, end  # one tuple per distinct shape
+
+    return hook
 
 
 #: dtype name -> (the table's own string, item size in bytes).
