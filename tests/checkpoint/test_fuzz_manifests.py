@@ -12,11 +12,12 @@ budget. Each reader must raise a shardkit error or return the right values.
 """
 
 import json
+import math
 import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hostile_helpers import (
@@ -199,3 +200,64 @@ def _values_right_when_loaded(directory, results):
     w = state.get("model", {}).get("w") if isinstance(state.get("model"), dict) else state.get("model.w")
     if w is not None and tuple(w.shape) == (4, 3):
         assert w.tolist() == FULL_W
+
+
+# --- the quick path of the header parser agrees with the reference one ------------------------------------------
+
+_ITEMSIZES = {"F32": 4, "BF16": 2, "I64": 8, "BOOL": 1, "F8_E4M3": 1}
+_bad_values = st.sampled_from([-1, 2**63 - 1, 2**63, 2**64, True, 2.0, "2", None, [2], {"a": 1}, "f32", "X", []])
+
+
+@st.composite
+def _headers(draw):
+    """Up to 3 entries, valid but for an occasional bad value, extra key or overlap; and where their data ends."""
+    entries, offset = {}, 0
+    for name in draw(st.lists(st.sampled_from(["a", "b", "c", "dtype", "shape", "data_offsets"]), min_size=1,
+                              max_size=3, unique=True)):
+        dtype = draw(st.sampled_from(sorted(_ITEMSIZES)))
+        shape = draw(st.lists(st.integers(0, 3), max_size=3))
+        begin = offset - draw(st.sampled_from([0] * 8 + [1, 4]))  # sometimes overlapping the one before
+        end = begin + math.prod(shape) * _ITEMSIZES[dtype] + draw(st.sampled_from([0] * 8 + [1, -1]))
+        entry = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+        if draw(st.integers(0, 5)) == 0:  # one bad value somewhere in the entry
+            field = draw(st.sampled_from(["dtype", "shape", "data_offsets", "shape[]", "data_offsets[]", "extra"]))
+            value = draw(_bad_values)
+            if field.endswith("[]") and entry[field[:-2]]:
+                entry[field[:-2]][draw(st.integers(0, len(entry[field[:-2]]) - 1))] = value
+            else:
+                entry[field.rstrip("[]")] = value
+        entries[name] = entry
+        offset = max(offset, end)
+    return entries, offset
+
+
+@settings(max_examples=300, deadline=None)
+@given(header=_headers(), spare_bytes=st.sampled_from([-1, 0, 8]))
+@example(header=({"a": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}}, 0), spare_bytes=0)
+@example(header=({"a": {"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}}, 4), spare_bytes=0)
+@example(header=({"a": {"dtype": "F32", "shape": [1] * 64, "data_offsets": [0, 4]}}, 4), spare_bytes=0)
+@example(header=({"a": {"dtype": "F32", "shape": [True, 2.0], "data_offsets": [0, 8]}}, 8), spare_bytes=0)
+@example(header=({"a": {"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]}}, 8), spare_bytes=0)
+@example(header=({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8.0]}}, 8), spare_bytes=0)
+def test_header_quick_checks_agree_with_the_reference_checks(header, spare_bytes):
+    """``parse_header`` (entries checked by an object_hook) accepts exactly what the per-entry reference accepts."""
+    from shardkit.errors import MetadataError
+    from shardkit.storage.safetensors_header import _entry, parse_header
+
+    entries, data_bytes = header
+    text = json.dumps(entries).encode()
+    file_size = 8 + len(text) + max(0, data_bytes + spare_bytes)
+    try:
+        expected = {name: _entry("f", name, raw, 8 + len(text), file_size) for name, raw in entries.items()}
+        spans = sorted((e.begin, e.end) for e in expected.values())
+        if any(b < e for (_, e), (b, _) in zip(spans, spans[1:])):
+            expected = None  # overlapping tensors
+    except MetadataError:
+        expected = None
+    if expected is None:
+        with pytest.raises(MetadataError):
+            parse_header("f", text, file_size)
+    else:
+        header = parse_header("f", text, file_size)
+        assert dict(header.tensors) == expected
+        assert header.data_end == max((e.end for e in expected.values()), default=header.data_start)

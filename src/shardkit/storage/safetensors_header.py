@@ -15,8 +15,13 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import struct
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from operator import itemgetter
+
+import numpy as np
 
 from shardkit import knobs
 from shardkit.dtypes import NAME_TO_DTYPE
@@ -25,7 +30,7 @@ from shardkit.storage.backend import Reader
 from shardkit.layout import bounded_numel
 from shardkit.storage.json_io import expect_dict, expect_int, expect_list, expect_str, parse_json_object, short_repr
 
-__all__ = ["TensorEntry", "SafetensorsHeader", "build_header", "read_header", "parse_header"]
+__all__ = ["TensorEntry", "TensorTable", "SafetensorsHeader", "build_header", "read_header", "parse_header"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +48,41 @@ class TensorEntry:
         return self.end - self.begin
 
 
+class TensorTable(Mapping):
+    """``name -> TensorEntry`` of one header, kept compact (a ``TensorEntry`` is built per lookup).
+
+    Holds one small tuple per tensor (``dtype, shape, begin, end``, offsets
+    relative to the data), all of them checked by :func:`parse_header`; an
+    entry object costs memory only while a caller holds it.
+    """
+
+    __slots__ = ("_packed", "_data_start")
+
+    def __init__(self, packed: dict[str, tuple], data_start: int):
+        self._packed = packed
+        self._data_start = data_start
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        dtype, shape, begin, end = self._packed[name]
+        return TensorEntry(name, dtype, shape, self._data_start + begin, self._data_start + end)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._packed
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._packed)
+
+    def __len__(self) -> int:
+        return len(self._packed)
+
+
 @dataclass(frozen=True)
 class SafetensorsHeader:
     data_start: int
-    tensors: dict[str, TensorEntry]
+    tensors: Mapping[str, TensorEntry]
     metadata: dict[str, str]
+    #: Where the last tensor's bytes end (absolute; ``data_start`` with no tensors).
+    data_end: int = 0
 
 
 def build_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None) -> bytes:
@@ -85,22 +120,73 @@ def read_header(reader: Reader) -> SafetensorsHeader:
 def parse_header(file_name: str, header_bytes: bytes, file_size: int) -> SafetensorsHeader:
     """Check the JSON header of a file of ``file_size`` bytes; offsets become absolute.
 
-    Every field is type-checked here (dtype a known name, shape a list of at
-    most ``knobs.MAX_TENSOR_NDIM`` non-negative ints, ``data_offsets`` two ints
-    inside the file, byte count = elements x item size, no overlaps,
-    ``__metadata__`` strings only), so callers can trust the result; anything
-    else raises :class:`MetadataError`. Work and memory are linear in the header size.
+    Every field of every entry is checked here, whichever tensors the caller
+    will read (dtype a known name, shape a list of at most
+    ``knobs.MAX_TENSOR_NDIM`` ints in ``0..knobs.MAX_TENSOR_DIM``,
+    ``data_offsets`` two ints inside the file, byte count = elements x item
+    size, no two tensors overlapping, names of at most ``knobs.MAX_NAME_CHARS``
+    characters, ``__metadata__`` strings only), so callers can trust the
+    result; anything else raises :class:`MetadataError`. It does not check
+    that the tensors cover the data without gaps (validators compare the
+    file size with ``data_end``).
+
+    Work and memory are linear in the header size: entries are checked and
+    packed by a hook as the JSON parser meets them (the raw JSON of an entry
+    never outlives it), and only entries the quick check refuses are checked
+    again by the reference path, whose message names the problem.
     """
     fix = "the file is corrupt, truncated or not safetensors"
-    obj = parse_json_object(f"{file_name}: the safetensors header", header_bytes, fix=fix)
     data_start = 8 + len(header_bytes)
+    hook = _packing_hook(file_size - data_start)
+    obj = parse_json_object(f"{file_name}: the safetensors header", header_bytes, fix=fix, object_hook=hook)
     metadata = _metadata(file_name, obj.pop("__metadata__", None))
-    tensors = {}
-    for name in list(obj):  # pop as we go: the raw JSON of an entry is freed once it is converted
-        expect_str(name, f"{file_name}: a tensor name")
-        tensors[name] = _entry(file_name, name, obj.pop(name), data_start, file_size)
-    _check_layout(file_name, tensors, data_start, file_size)
-    return SafetensorsHeader(data_start, tensors, metadata)
+    if obj and max(map(len, obj)) > knobs.MAX_NAME_CHARS:
+        for name in obj:
+            expect_str(name, f"{file_name}: a tensor name")
+    for name in [name for name, packed in obj.items() if type(packed) is not tuple]:
+        entry = _entry(file_name, name, obj[name], data_start, file_size)  # raises, unless the hook was too strict
+        obj[name] = (entry.dtype, entry.shape, entry.begin - data_start, entry.end - data_start)
+    data_end = _check_layout(file_name, obj, data_start)
+    return SafetensorsHeader(data_start, TensorTable(obj, data_start), metadata, data_end)
+
+
+def _packing_hook(data_bytes: int) -> Callable[[dict], object]:
+    """An ``object_hook`` that replaces a well-formed tensor entry by ``(dtype, shape, begin, end)``.
+
+    It accepts only what :func:`_entry` accepts (the same checks, quicker)
+    and returns anything else unchanged, for :func:`_entry` to explain. JSON
+    yields no tuples, so a tuple in the parsed header is an entry this hook
+    checked; one in a wrong place (inside a shape, as ``__metadata__``, as the
+    whole header) fails the type checks there. Knobs are read once, here.
+    """
+    max_ndim, max_dim, shapes, itemsizes, prod = knobs.MAX_TENSOR_NDIM, knobs.MAX_TENSOR_DIM, {}, _ITEMSIZE, math.prod
+
+    def hook(raw: dict):
+        if len(raw) != 3:
+            return raw
+        try:
+            dtype, itemsize = itemsizes[raw["dtype"]]
+            shape, offsets = raw["shape"], raw["data_offsets"]
+        except (KeyError, TypeError):
+            return raw
+        if type(shape) is not list or type(offsets) is not list or len(offsets) != 2 or len(shape) > max_ndim:
+            return raw
+        begin, end = offsets
+        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= data_bytes:
+            return raw
+        for dim in shape:
+            if type(dim) is not int or not 0 <= dim <= max_dim:
+                return raw
+        if prod(shape) * itemsize != end - begin:  # at most 64 dims of 63 bits: a bounded product
+            return raw
+        shape = tuple(shape)
+        return dtype, shapes.setdefault(shape, shape), begin, end  # one tuple per distinct shape
+
+    return hook
+
+
+#: dtype name -> (the table's own string, item size in bytes).
+_ITEMSIZE = {name: (name, dtype.itemsize) for name, dtype in NAME_TO_DTYPE.items()}
 
 
 def _metadata(file_name: str, raw: object) -> dict[str, str]:
@@ -141,10 +227,17 @@ def _entry(file_name: str, name: str, raw: object, data_start: int, file_size: i
 _FIX = "the file is corrupt, truncated or not safetensors"
 
 
-def _check_layout(file_name: str, tensors: dict[str, TensorEntry], data_start: int, file_size: int) -> None:
-    # Offsets were bounded by the file size entry by entry; here only overlaps remain.
-    position = data_start
-    for entry in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
-        if entry.begin < position:
-            raise MetadataError(f"{file_name}: tensor {short_repr(entry.name)} overlaps the one before it; {_FIX}")
-        position = entry.end
+def _check_layout(file_name: str, packed: dict[str, tuple], data_start: int) -> int:
+    """Refuse overlapping tensors; the absolute offset where the last one ends."""
+    # Offsets were bounded by the file size entry by entry (so they fit int64); here only overlaps remain.
+    if not packed:
+        return data_start
+    values = packed.values()
+    begins = np.fromiter(map(itemgetter(2), values), np.int64, len(packed))
+    ends = np.fromiter(map(itemgetter(3), values), np.int64, len(packed))
+    order = np.lexsort((ends, begins))
+    clash = np.flatnonzero(begins[order[1:]] < ends[order[:-1]])
+    if len(clash):
+        name = list(packed)[order[clash[0] + 1]]
+        raise MetadataError(f"{file_name}: tensor {short_repr(name)} overlaps the one before it; {_FIX}")
+    return data_start + int(ends.max())
