@@ -1,5 +1,11 @@
 """Runnable demonstrations (``shardkit demo``); the top layer, beside the CLI."""
 
-from shardkit.demo.reshard import run_demo
+
+def run_demo(path=None) -> int:
+    """Run the training demo (see :mod:`shardkit.demo.story`); 0 when every check passed."""
+    from shardkit.demo.story import run_demo as run
+
+    return run(path)
+
 
 __all__ = ["run_demo"]
