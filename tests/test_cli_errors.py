@@ -259,3 +259,13 @@ def test_internal_error_is_one_line_with_a_hint(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SHARDKIT_DEBUG", "1")
     assert cli_main(["validate", str(tmp_path)]) == 3
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_inspect_summarises_long_plain_values():
+    from shardkit.cli.inspect_cmd import MAX_VALUE_CHARS, MAX_VALUES_SHOWN, summarise_values
+
+    values = {f"optim.param_groups.{i}.lr": 0.1 for i in range(40)}
+    values["note"] = "x" * 1000
+    lines = summarise_values(values)
+    assert len(lines) == MAX_VALUES_SHOWN + 1 and lines[-1] == f"... and {41 - MAX_VALUES_SHOWN} more (--json shows every value)"
+    assert all(len(line) <= MAX_VALUE_CHARS + 40 for line in lines)

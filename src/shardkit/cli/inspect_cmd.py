@@ -86,5 +86,27 @@ def _run_distributed(args) -> int:
             print(f"  {name:<24} {size:>14,} bytes")
     for title, values in (("values", m.objects), ("user metadata", m.user_metadata)):
         if values:
-            print(f"{title}: {json.dumps(values, ensure_ascii=False)}")
+            print(f"{title}:")
+            for line in summarise_values(values):
+                print(f"  {line}")
     return 0
+
+
+#: Plain values shown by ``inspect`` before the rest is summarised (``--json`` prints all).
+MAX_VALUES_SHOWN = 12
+MAX_VALUE_CHARS = 60
+
+
+def summarise_values(values: dict) -> list[str]:
+    """One short line per plain value, at most ``MAX_VALUES_SHOWN``, then how many more there are.
+
+    >>> summarise_values({"step": 5, "lr": 0.001, "note": "x" * 100})[:2]
+    ['step = 5', 'lr = 0.001']
+    """
+    lines = []
+    for name, value in list(values.items())[:MAX_VALUES_SHOWN]:
+        text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else repr(value)
+        lines.append(f"{name} = {text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS - 3] + '...'}")
+    if len(values) > MAX_VALUES_SHOWN:
+        lines.append(f"... and {len(values) - MAX_VALUES_SHOWN} more (--json shows every value)")
+    return lines
