@@ -57,8 +57,11 @@ class Prepared:
     user_metadata: dict
 
 
-def _all(coordinator, value) -> list:
-    return [value] if coordinator is None else exchange(coordinator, value)
+_WITHDRAW_STEP = "locking the directory and withdrawing the previous metadata"
+
+
+def _all(coordinator, value, step: str) -> list:
+    return [value] if coordinator is None else exchange(coordinator, value, step)
 
 
 def _report(state_dict) -> tuple[dict, dict[str, torch.Tensor], Any]:
@@ -85,7 +88,7 @@ def prepare(state_dict, coordinator, rank: int, world_size: int, metadata=None, 
     ``rank_state``: per-rank values (``rank_state.py``), stored beside the state."""
     mine, exc = _attempt(lambda: _mine(state_dict, rank_state, rank, world_size, metadata))
     statuses = _all(coordinator, {"error": _describe(exc), "report": mine[0] if mine else None,
-                                  "rank_objects": mine[3] if mine else None})
+                                  "rank_objects": mine[3] if mine else None}, "exchanging the layouts")
     _raise_first(statuses, exc, "preparing the save")
     report, local, flat, _, user_metadata = mine
     plan = plan_chunks([s["report"] for s in statuses], lambda d: itemsize_bytes(NAME_TO_DTYPE[d]))
@@ -142,13 +145,13 @@ def _write_and_commit_locked(prep: Prepared, storage: Storage, directory: str, c
         _withdraw(storage, directory, prep.rank)
 
     _, exc = _attempt(withdraw)
-    _raise_first(_all(coordinator, {"error": _describe(exc)}), exc, "withdrawing the previous metadata")
+    _raise_first(_all(coordinator, {"error": _describe(exc)}, _WITHDRAW_STEP), exc, _WITHDRAW_STEP)
     written, exc = _attempt(lambda: _write_file(storage, directory, prep))
-    statuses = _all(coordinator, {"error": _describe(exc), "written": written})
+    statuses = _all(coordinator, {"error": _describe(exc), "written": written}, "writing the data files")
     _raise_first(statuses, exc, "writing the data files")
     exc = None
     if prep.rank == 0:
         manifest_of = lambda: _manifest(prep, [s["written"] for s in statuses])  # noqa: E731
         _, exc = _attempt(lambda: write_json(storage, storage.join(directory, METADATA_FILE),
                                              manifest_to_json(manifest_of())))
-    _raise_first(_all(coordinator, {"error": _describe(exc)}), exc, "writing metadata.json")
+    _raise_first(_all(coordinator, {"error": _describe(exc)}, "writing metadata.json"), exc, "writing metadata.json")

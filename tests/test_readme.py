@@ -1,0 +1,105 @@
+"""Every code block in the README runs, as written: a new user copies them first.
+
+Python blocks run in order, each as a script, in one fresh directory (a later
+block may use the files an earlier one wrote, as a reader following along
+would). A block whose first line is ``# run: <command>`` (for example
+``# run: torchrun --nproc-per-node 4 train.py``) is saved under the file name
+that command names and run with exactly that command; any other block runs
+with ``python``. The ``shardkit ...`` and ``torchrun ...`` lines of ``sh``
+blocks run afterwards in the same directory (which sees the repository's
+``examples/``), except ``shardkit demo`` and ``shardkit bench`` (tested on
+their own) and ``make`` (which is what CI runs). Last, the output the README
+shows (``text`` blocks of ``$ shardkit ...`` lines, each followed by what it
+prints) is produced again from a copy of ``ckpt/`` and compared line by
+line, timings aside.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+_FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
+_SKIPPED_COMMANDS = ("shardkit demo", "shardkit bench")
+
+
+def readme_blocks(path: str = os.path.join(ROOT, "README.md")) -> list[tuple[str, str]]:
+    """``(language, code)`` for each fenced block of the README, in order."""
+    with open(path, encoding="utf-8") as f:
+        return [(lang, code) for lang, code in _FENCE.findall(f.read())]
+
+
+def _command_for(code: str, index: int) -> tuple[str, list[str]]:
+    """The file name a block is saved as, and the command that runs it."""
+    first = code.splitlines()[0] if code.strip() else ""
+    if first.startswith("# run:"):
+        argv = shlex.split(first[len("# run:"):])
+        script = next(a for a in argv if a.endswith(".py"))
+        launcher = os.path.join(BIN, argv[0]) if os.path.exists(os.path.join(BIN, argv[0])) else argv[0]
+        return script, [launcher, *argv[1:]]
+    script = f"readme_block_{index}.py"
+    return script, [sys.executable, script]
+
+
+def _shown_commands(code: str) -> list[tuple[str, list[str]]]:
+    """``(command, printed lines)`` for each ``$ ...`` line of a shown-output block."""
+    shown: list[tuple[str, list[str]]] = []
+    for line in code.splitlines():
+        if line.startswith("$ "):
+            shown.append((line[2:], []))
+        elif shown:
+            shown[-1][1].append(line)
+    return shown
+
+
+def _timings_aside(lines: list[str]) -> list[str]:
+    return [re.sub(r"\b\d+\.\d+ s\b", "<t> s", line.rstrip()) for line in lines]
+
+
+def _run(argv: list[str], cwd, what: str) -> None:
+    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"{what} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+
+
+def test_readme_has_blocks():
+    languages = {lang for lang, _ in readme_blocks()}
+    assert {"python", "sh"} <= languages
+
+
+@pytest.mark.slow
+def test_every_readme_block_runs_as_written(tmp_path):
+    blocks = readme_blocks()
+    for index, (lang, code) in enumerate(blocks):
+        if lang != "python":
+            continue
+        script, argv = _command_for(code, index)
+        (tmp_path / script).write_text(code, encoding="utf-8")
+        _run(argv, tmp_path, f"README python block {index} ({' '.join(argv[-2:])})")
+    (tmp_path / "examples").symlink_to(os.path.join(ROOT, "examples"))
+    for index, (lang, code) in enumerate(blocks):
+        if lang != "sh":
+            continue
+        for line in code.splitlines():
+            command = line.split("#", 1)[0].strip()
+            if command.startswith(("shardkit ", "torchrun ")) and not command.startswith(_SKIPPED_COMMANDS):
+                argv = shlex.split(command)
+                _run([os.path.join(BIN, argv[0]), *argv[1:]], tmp_path, f"README sh block {index}: {command}")
+    shown_dir = tmp_path / "shown"
+    shutil.copytree(tmp_path / "ckpt", shown_dir / "ckpt")
+    for lang, code in blocks:
+        for command, printed in _shown_commands(code) if lang == "text" else []:
+            argv = shlex.split(command)
+            done = subprocess.run([os.path.join(BIN, argv[0]), *argv[1:]], cwd=shown_dir, capture_output=True,
+                                  text=True, timeout=240)
+            assert done.returncode == 0, f"{command}: {done.stderr[-2000:]}"
+            assert _timings_aside(done.stdout.splitlines()) == _timings_aside(printed), command
