@@ -267,3 +267,31 @@ def test_open_source_lists_without_reading(ckpt):
 def test_verbose_logs_through_shardkit_loggers(ckpt, tmp_path):
     code, _, err = in_process("reshard", ckpt, tmp_path / "o", "--world-size", "3", "-v")
     assert code == 0 and "shardkit.offline: resharding" in err
+
+
+def test_inspect_and_validate_read_a_dcp_checkpoint(tmp_path):
+    state = _dcp_save_one(tmp_path / "dcp")
+    code, out, err = in_process("inspect", tmp_path / "dcp", "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["kind"] == "dcp" and summary["objects"] == {"step": 7}
+    assert {r["name"]: r["shape"] for r in summary["tensors"]} == {n: list(t.shape) for n, t in state.items()}
+    code, out, _ = in_process("validate", tmp_path / "dcp")
+    assert code == 0 and out.strip() == f"{tmp_path / 'dcp'}: ok"
+
+
+def test_validate_reports_a_broken_dcp_checkpoint_and_never_runs_its_pickle(tmp_path):
+    _dcp_save_one(tmp_path / "dcp")
+    (distcp,) = [p for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp"]
+    distcp.write_bytes(distcp.read_bytes()[:100])
+    code, out, _ = in_process("validate", tmp_path / "dcp")
+    assert code == 1 and "truncated" in out
+    os.remove(tmp_path / "dcp" / ".metadata")
+    code, out, _ = in_process("validate", tmp_path / "dcp")
+    assert code == 1 and "never finished" in out
+    marker = tmp_path / "pwned"
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+    code, out, _ = in_process("validate", tmp_path / "dcp")
+    assert code == 1 and "restricted unpickler" in out
+    assert in_process("inspect", tmp_path / "dcp")[0] == 1
+    assert not marker.exists()

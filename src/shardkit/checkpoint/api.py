@@ -47,6 +47,7 @@ from shardkit.checkpoint.shutdown import join_at_exit
 from shardkit.checkpoint.staging import stage
 from shardkit.errors import AsyncCheckpointError, TensorMismatchError
 from shardkit.storage import storage_for
+from shardkit.checkpoint.logs import logged
 
 __all__ = ["save", "load", "async_save", "resolve_world", "start_background", "background_coordinator",
            "stage_for_background"]
@@ -70,6 +71,7 @@ def resolve_world(group):
     return resolve_group(group, rank, world_size), rank, world_size
 
 
+@logged("save")
 def save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -> None:
     """Save ``state_dict`` (nested; DTensor, tensor and plain leaves) into the directory ``dir``.
 
@@ -94,6 +96,7 @@ def _walk(state_dict):
     return _leaves(state_dict)
 
 
+@logged("load")
 def load(state_dict, dir, *, group=None, strict: bool = True, rank_state=None) -> None:
     """Fill ``state_dict`` in place from the checkpoint at ``dir``, whatever mesh or world size saved it.
 
@@ -179,6 +182,7 @@ def background_coordinator(group, coordinator, rank: int, world_size: int):
     return resolve_group(own, rank, world_size)
 
 
+@logged("async save (staging)")
 def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -> CheckpointFuture:
     """Plan and stage now (a copy of this rank's boxes), write in the background; return the future.
 

@@ -73,6 +73,7 @@ from shardkit.checkpoint.spec import TensorShardSpec, as_spec_dict, check_local_
 from shardkit.dtypes import to_safetensors_name
 from shardkit.errors import CheckpointBusyError, CheckpointError, CheckpointExistsError, TensorMismatchError
 from shardkit.storage import FileRecord, Storage, storage_for, write_safetensors
+from shardkit.checkpoint.logs import logged
 
 __all__ = ["save_distributed"]
 
@@ -87,6 +88,7 @@ class _Prepared:
     digest: str
 
 
+@logged("save_distributed")
 def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=None, metadata=None,
                      overwrite: bool = False) -> None:
     """Save this rank's part of ``state_dict`` into the checkpoint directory ``dir``.

@@ -53,6 +53,7 @@ from shardkit.checkpoint.spec import check_world
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box, whole_box
 from shardkit.storage import storage_for
+from shardkit.checkpoint.logs import logged
 
 __all__ = ["load_distributed", "reshard", "load_region", "load_consolidated", "read_metadata"]
 
@@ -63,6 +64,7 @@ def read_metadata(dir) -> Manifest:
     return read_manifest(storage, directory)
 
 
+@logged("load_distributed")
 def load_distributed(dir, rank, world_size, *, keys=None, device="cpu", verify=None, out=None) -> dict:
     """This rank's part of the checkpoint, as the nested state that was saved.
 

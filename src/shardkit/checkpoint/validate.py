@@ -27,6 +27,7 @@ from shardkit.checkpoint.plan import chunks_by_file
 from shardkit.errors import CheckpointError
 from shardkit.layout import Box
 from shardkit.storage import FileRecord, Reader, SafetensorsHeader, read_header, storage_for
+from shardkit.checkpoint.logs import logged
 
 __all__ = ["ValidationReport", "validate_distributed"]
 
@@ -48,6 +49,7 @@ class ValidationReport:
         return f"{self.directory}: {len(self.problems)} problem(s)\n" + "\n".join(f"- {p}" for p in self.problems)
 
 
+@logged("validate")
 def validate_distributed(dir, *, hash_bytes: bool = True) -> ValidationReport:
     """Check a checkpoint directory end to end; see the module docstring.
 

@@ -16,7 +16,7 @@ import argparse
 import json
 import math
 
-from shardkit.cli.target import HF, checkpoint_kind
+from shardkit.cli.target import DCP, HF, checkpoint_kind
 
 
 def register(sub) -> None:
@@ -42,7 +42,10 @@ def _row(name: str, saved) -> dict:
 
 
 def run(args) -> int:
-    if checkpoint_kind(args.path) == HF:
+    kind = checkpoint_kind(args.path)
+    if kind == DCP:
+        return _run_dcp(args)
+    if kind == HF:
         from shardkit.cli.inspect_hf import hf_summary, print_hf_summary
 
         summary = hf_summary(args.path)
@@ -52,6 +55,30 @@ def run(args) -> int:
             print_hf_summary(summary)
         return 0
     return _run_distributed(args)
+
+
+def _run_dcp(args) -> int:
+    from shardkit.sources import open_source
+
+    with open_source(args.path, "dcp") as source:
+        tensors, values = source.tensors(), source.objects()
+    rows = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "bytes": t.nbytes}
+            for n, t in sorted(tensors.items())]
+    if args.json:
+        print(json.dumps({"path": args.path, "kind": "dcp", "tensors": rows, "objects": values},
+                         indent=2, ensure_ascii=False, default=repr))
+        return 0
+    print(f"{args.path}: PyTorch DCP checkpoint (.metadata read by a restricted unpickler)")
+    print(f"{len(rows)} tensor(s), {sum(r['bytes'] for r in rows):,} bytes in all")
+    width = max((len(r["name"]) for r in rows), default=4)
+    for r in rows:
+        print(f"  {r['name']:<{width}}  {r['dtype']:<9} {r['shape']}")
+    if values:
+        print("values:")
+        for line in summarise_values({n: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
+                                      for n, v in values.items()}):
+            print(f"  {line}")
+    return 0
 
 
 def _run_distributed(args) -> int:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import os
 import stat
 
-__all__ = ["InputError", "checkpoint_kind", "DISTRIBUTED", "HF"]
+__all__ = ["InputError", "checkpoint_kind", "DISTRIBUTED", "HF", "DCP"]
 
 DISTRIBUTED = "distributed"
 HF = "hf"
+DCP = "dcp"
 
 
 class InputError(Exception):
@@ -30,12 +31,13 @@ class InputError(Exception):
 #: The files that make a directory a checkpoint (``shardkit.hf.directory`` looks for the same).
 _HF_NAMES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
 _DISTRIBUTED_NAME = "metadata.json"
+_DCP_NAME = ".metadata"
 #: Entries a reader would open: each must be a regular file.
 _READ_SUFFIXES = (".json", ".safetensors", ".bin")
 
 
 def checkpoint_kind(path: str) -> str:
-    """``"distributed"`` or ``"hf"`` for the checkpoint directory ``path``; ``InputError`` otherwise.
+    """``"distributed"``, ``"hf"`` or ``"dcp"`` for the checkpoint directory ``path``; ``InputError`` otherwise.
 
     Local checks use only ``os`` calls (no torch import), so bad input fails fast.
     """
@@ -50,16 +52,19 @@ def checkpoint_kind(path: str) -> str:
         names = set(os.listdir(local))
     except OSError as e:
         raise InputError(f"{path} cannot be listed ({e.strerror})") from e
-    _require_regular_files(local, sorted(n for n in names if n.endswith(_READ_SUFFIXES)))
+    _require_regular_files(local, sorted(n for n in names if n.endswith(_READ_SUFFIXES) or n == _DCP_NAME))
     if _DISTRIBUTED_NAME in names:
         return DISTRIBUTED
     if names.intersection(_HF_NAMES):
         return HF
     if any(n.startswith("rank_") for n in names):
         return DISTRIBUTED  # rank files without metadata.json: a save that never finished
+    if _DCP_NAME in names or any(n.endswith(".distcp") for n in names):
+        return DCP  # .distcp files without .metadata: a DCP save that never finished
     raise InputError(
         f"{path} is not a checkpoint: it has no metadata.json (distributed), "
-        f"model.safetensors[.index.json] or pytorch_model.bin[.index.json] (Hugging Face)"
+        f"model.safetensors[.index.json] or pytorch_model.bin[.index.json] (Hugging Face), "
+        f"or .metadata (PyTorch DCP)"
     )
 
 

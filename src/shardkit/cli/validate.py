@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from shardkit.cli.target import DISTRIBUTED, checkpoint_kind
+from shardkit.cli.target import DCP, DISTRIBUTED, checkpoint_kind
 
 #: Problems printed before "... and N more" without --all.
 SHOWN_PROBLEMS = 20
@@ -23,7 +23,8 @@ SHOWN_PROBLEMS = 20
 def register(sub) -> None:
     p = sub.add_parser("validate", help="check that a checkpoint is complete and its bytes match their checksums",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="a checkpoint directory: distributed (metadata.json) or Hugging Face")
+    p.add_argument("path", help="a checkpoint directory: distributed (metadata.json), Hugging Face, or PyTorch DCP "
+                               "(.metadata; it has no checksums, so every tensor is read once)")
     p.add_argument("--all", action="store_true", help=f"print every problem, not just the first {SHOWN_PROBLEMS}")
     p.add_argument("--json", action="store_true", help='print {"path", "ok", "problems": [...]} as JSON')
     p.set_defaults(run=run)
@@ -31,7 +32,10 @@ def register(sub) -> None:
 
 def problems_of(path: str) -> list[str]:
     """Every problem of the checkpoint at ``path`` (``[]``: complete and intact)."""
-    if checkpoint_kind(path) == DISTRIBUTED:
+    kind = checkpoint_kind(path)
+    if kind == DCP:
+        return dcp_problems(path)
+    if kind == DISTRIBUTED:
         from shardkit.checkpoint import validate_distributed
         from shardkit.hf.untrusted import hostile_input
 
@@ -40,6 +44,26 @@ def problems_of(path: str) -> list[str]:
     from shardkit.hf import checkpoint_problems
 
     return checkpoint_problems(path)
+
+
+def dcp_problems(path: str) -> list[str]:
+    """What is wrong with a DCP checkpoint: it records no checksums, so every tensor record is read
+    once (one at a time) through the restricted reader; each failure is one problem."""
+    from shardkit.errors import ShardkitError
+    from shardkit.sources import open_source
+
+    try:
+        source = open_source(path, "dcp")
+    except (ShardkitError, OSError) as e:
+        return [f"{path}: {e}"]
+    problems = []
+    with source:
+        for name in source.tensors():
+            try:
+                source.read(name)
+            except (ShardkitError, OSError) as e:
+                problems.append(f"{name}: {e}")
+    return problems
 
 
 def run(args) -> int:
