@@ -18,6 +18,7 @@ import threading
 
 import pytest
 import torch
+from held_writes import hold_writes
 
 from shardkit.checkpoint import load_consolidated, save_distributed, validate_distributed
 from shardkit.errors import CheckpointBusyError
@@ -38,14 +39,7 @@ def _save_held_mid_write(directory, value, started, release) -> None:
     """Save 1 rank, stopping inside the data file write until ``release`` is released."""
     import shardkit.checkpoint.distributed_save as save_module
 
-    real = save_module.write_safetensors
-
-    def held(*args, **kwargs):
-        started.set()
-        assert release.acquire(timeout=HANG_GUARD_S)
-        return real(*args, **kwargs)
-
-    save_module.write_safetensors = held
+    hold_writes(save_module, started, release, HANG_GUARD_S)
     save_distributed({"w": torch.full((4,), float(value)), "step": value}, directory, 0, 1, None)
 
 

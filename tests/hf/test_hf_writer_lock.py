@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from held_writes import hold_writes
 
 from shardkit.errors import CheckpointBusyError
 from shardkit.hf import load_checkpoint, save_checkpoint, validate_checkpoint
@@ -29,14 +30,7 @@ def _state(value: float) -> dict:
 def _hf_save_held_mid_write(directory, value, started, release) -> None:
     import shardkit.hf.save as hf_save
 
-    real = hf_save.write_safetensors
-
-    def held(*args, **kwargs):
-        started.set()
-        assert release.acquire(timeout=HANG_GUARD_S)
-        return real(*args, **kwargs)
-
-    hf_save.write_safetensors = held
+    hold_writes(hf_save, started, release, HANG_GUARD_S)
     save_checkpoint(directory, _state(value), safetensors=True, max_shard_size=256)
 
 
