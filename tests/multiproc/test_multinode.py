@@ -5,14 +5,13 @@ The test starts two launchers on this machine, ``torchrun --nnodes 2
 127.0.0.1:PORT`` (node 0 hosts the rendezvous store; everything binds loopback),
 whose workers save a DTensor-sharded state with ``shardkit.checkpoint.save``
 (``group=None``: the default process group torchrun's variables set up) into
-a directory standing in for a shared filesystem. A second job, ``--nnodes 1``,
+a directory standing in for a shared filesystem (``tests/s3/test_s3_multinode.py``: into S3). A second job, ``--nnodes 1``,
 loads it with plain tensors (another world size) and checks every value.
 This file is also the workers' script (``python test_multinode.py save|load DIR``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
@@ -22,20 +21,6 @@ import time
 import pytest
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
-
-
-def _s3_fixtures():
-    """tests/s3/conftest.py's fixtures (the SeaweedFS server on loopback), for this directory's tests."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "s3", "conftest.py")
-    spec = importlib.util.spec_from_file_location("_shardkit_s3_conftest", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-if __name__ != "__main__":
-    _S3 = _s3_fixtures()
-    s3_server, s3_url = _S3.s3_server, _S3.s3_url      # a second server if tests/s3 runs in the same session
 
 _ROWS, _COLS = 8, 3
 _JOB_TIMEOUT_S = 180.0
@@ -121,12 +106,12 @@ def _run_job(nnodes: int, mode: str, directory: str) -> list[str]:
     return outputs
 
 
-@pytest.mark.parametrize("where", ["shared-dir", "s3"])
-def test_two_node_save_resumes_on_one_node(tmp_path, request, where):
-    if where == "s3":
-        directory = request.getfixturevalue("s3_url") + "/step-7"   # launchers inherit the AWS_* variables
-    else:
-        directory = str(tmp_path / "shared" / "step-7")   # the stand-in for a shared filesystem
+def test_two_node_save_resumes_on_one_node(tmp_path):
+    two_node_save_then_one_node_load(str(tmp_path / "shared" / "step-7"))   # stands in for a shared filesystem
+
+
+def two_node_save_then_one_node_load(directory: str) -> None:
+    """The scenario, on ``directory`` (a path or URL); tests/s3/test_s3_multinode.py runs it on S3."""
     saved = _run_job(2, "save", directory)
     assert "rank 0 of 2: save ok" in saved[0] and "rank 1 of 2: save ok" in saved[1], saved
     from shardkit.checkpoint import validate_distributed
