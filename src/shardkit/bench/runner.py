@@ -14,9 +14,10 @@ import sys
 import tempfile
 import traceback
 
-SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline")
+SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", "scale")
 #: What runs without ``--only``: ``offline`` (the CLI tools against DCP, two extra source checkpoints and
-#: rank processes) runs only when asked for.
+#: rank processes) and ``scale`` (8/32/64 thread ranks, tiny tensors; ``--size`` does not apply) run only
+#: when asked for.
 DEFAULT_SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 
 
@@ -45,6 +46,10 @@ def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
         from shardkit.bench.offline_bench import run_offline_benchmarks
 
         return run_offline_benchmarks(size, reps, workdir)
+    if name == "scale":
+        from shardkit.bench.scale_bench import run_scale_benchmarks
+
+        return run_scale_benchmarks(workdir)
     if name == "ddp":
         from shardkit.bench.ddp_bench import run_ddp_benchmarks
 

@@ -25,7 +25,12 @@ import torch
 from shardkit.comm.abort import AbortHandle, wait_work
 from shardkit.errors import CommError, MetadataError
 
-__all__ = ["resolve_group", "exchange"]
+__all__ = ["resolve_group", "exchange", "EXCHANGE_OBSERVERS"]
+
+#: Called after every exchange as ``f(rank, collectives, received_bytes)``: the all-gathers this rank
+#: issued and the bytes it received from the other ranks. Empty unless a test or
+#: ``bench/scale_bench.py`` counts a save's traffic (append, then remove, a callable).
+EXCHANGE_OBSERVERS: list = []
 
 
 class _TorchGroup:
@@ -124,5 +129,7 @@ def _exchange(group, value: Any) -> list[Any]:
     if payload:
         mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     gathered = group.all_gather(mine.to(device))
+    for observe in list(EXCHANGE_OBSERVERS):
+        observe(group.rank, 2, (group.world_size - 1) * (8 + longest))
     return [json.loads(bytes(t[: int(n.item())].cpu().numpy()).decode("utf-8"))
             for t, n in zip(gathered, lengths)]

@@ -1,0 +1,187 @@
+"""Scale: metadata size, save and load time and rank 0's received traffic against ranks x tensors.
+
+How it measures (``shardkit bench --only scale`` or ``python -m shardkit.bench.scale_bench``):
+
+- ``ranks`` ranks are the threads of ``comm.Group.local(ranks)`` (real Gloo over
+  loopback inside one process). Each rank saves ``tensors`` tiny sharded
+  tensors: a ``rank_state`` of ``tensors`` 4-element float32 tensors, stored as
+  ``tensors`` chunked tensors of shape ``(ranks, 4)`` whose row r rank r writes
+  (the layout FSDP gives: every tensor has ``ranks`` chunks, so
+  ``metadata.json`` holds ranks x tensors chunk records), plus ``tensors``
+  replicated tiny plain tensors (written once each);
+- rank 0's received bytes and collectives are counted by
+  ``checkpoint.group.EXCHANGE_OBSERVERS`` during the save;
+- "save wall" is the whole collective save (all ranks share the GIL, so it sums
+  every rank's work); "rank0 save cpu" is rank 0's own thread CPU time (what one
+  rank pays on a real cluster); "load" is one rank's ``load`` (it issues no
+  collective), run alone, the faster of ranks 0 and ranks-1;
+- the growth exponent of each column is the slope of a least-squares line of
+  log(column) against log(ranks x tensors): 1 is linear, 2 quadratic.
+
+What it does not measure: large tensors (see the ``save``/``load`` suites), or
+processes across machines (``tests/multiproc/test_multinode.py`` runs two
+``torchrun`` launchers).
+
+Example::
+
+    row = measure(8, 16, "/tmp/scale")      # {"ranks": 8, "metadata_bytes": ..., "rank0_recv_bytes": ...}
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+
+DEFAULT_RANKS = (8, 32, 64)
+DEFAULT_TENSORS = 32
+COLUMNS = ("metadata_bytes", "save_wall_s", "rank0_save_cpu_s", "load_s", "rank0_recv_bytes",
+           "rank0_collectives")
+
+
+def _states(rank: int, tensors: int):
+    import torch
+
+    shared = {f"model.w{i}": torch.arange(4, dtype=torch.float32) + i for i in range(tensors)}
+    own = {f"shard{i}": torch.full((4,), float(rank * 1000 + i)) for i in range(tensors)}
+    return shared, own
+
+
+def _on_threads(groups, fn, join_timeout_s: float) -> list:
+    results, errors = [None] * len(groups), []
+
+    def run(g):
+        try:
+            results[g.rank] = fn(g)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(g,), daemon=True) for g in groups]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + join_timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"a rank thread did not finish within {join_timeout_s} s")
+    if errors:
+        raise errors[0]
+    return results
+
+
+def save_counted(groups, tensors: int, directory: str, join_timeout_s: float = 300.0) -> dict:
+    """Save on every group of ``groups`` (one thread each); rank 0's received bytes/collectives and times."""
+    from shardkit.checkpoint import save
+    from shardkit.checkpoint.group import EXCHANGE_OBSERVERS
+
+    counted = {"rank0_recv_bytes": 0, "rank0_collectives": 0, "rank0_exchanges": 0}
+    lock = threading.Lock()
+
+    def observe(rank, collectives, received_bytes):
+        if rank == 0:
+            with lock:
+                counted["rank0_collectives"] += collectives
+                counted["rank0_recv_bytes"] += received_bytes
+                counted["rank0_exchanges"] += 1
+
+    def one(g):
+        shared, own = _states(g.rank, tensors)
+        cpu = time.thread_time()
+        save(shared, directory, group=g, rank_state=own)
+        return time.thread_time() - cpu
+
+    EXCHANGE_OBSERVERS.append(observe)
+    try:
+        start = time.perf_counter()
+        cpu = _on_threads(groups, one, join_timeout_s)
+        counted["save_wall_s"] = time.perf_counter() - start
+    finally:
+        EXCHANGE_OBSERVERS.remove(observe)
+    counted["rank0_save_cpu_s"] = cpu[0]
+    return counted
+
+
+def load_one(group, tensors: int, directory: str) -> float:
+    """Seconds for ``group``'s rank to load its part (``load`` issues no collective, so any thread
+    may call it alone); checks the values."""
+    import torch
+
+    from shardkit.checkpoint import load
+
+    rank = group.rank
+    shared, own = _states(rank, tensors)
+    zero_shared = {k: torch.zeros_like(v) for k, v in shared.items()}
+    zero_own = {k: torch.zeros_like(v) for k, v in own.items()}
+    start = time.perf_counter()
+    load(zero_shared, directory, group=group, rank_state=zero_own)
+    seconds = time.perf_counter() - start
+    for got, want in ((zero_shared, shared), (zero_own, own)):
+        for k in want:
+            if not torch.equal(got[k], want[k]):
+                raise AssertionError(f"rank {rank}: {k} loaded {got[k].tolist()}, saved {want[k].tolist()}")
+    return seconds
+
+
+def close_all(groups) -> None:
+    """Close the groups on one thread each: closed one by one, each waits for its peers' teardown."""
+    _on_threads(groups, lambda g: g.close(), 60.0)
+
+
+def measure(ranks: int, tensors: int, workdir: str) -> dict:
+    """One row: save ``tensors`` sharded + ``tensors`` replicated tiny tensors on ``ranks`` thread ranks."""
+    from shardkit.comm import Group
+
+    directory = os.path.join(workdir, f"scale-{ranks}x{tensors}")
+    shutil.rmtree(directory, ignore_errors=True)
+    groups = Group.local(ranks)
+    try:
+        row = {"ranks": ranks, "tensors": tensors, **save_counted(groups, tensors, directory)}
+        row["load_s"] = min(load_one(g, tensors, directory) for g in (groups[0], groups[-1]))
+    finally:
+        close_all(groups)
+    row["metadata_bytes"] = os.path.getsize(os.path.join(directory, "metadata.json"))
+    shutil.rmtree(directory, ignore_errors=True)
+    return row
+
+
+def growth_exponent(xs, ys) -> float:
+    """Slope of the least-squares line of log(y) on log(x)."""
+    lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-12)) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def format_scale_table(rows: list[dict]) -> str:
+    head = ["ranks", "tensors", "ranks*tensors", *COLUMNS]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        cells = [r["ranks"], r["tensors"], r["ranks"] * r["tensors"],
+                 *(f"{r[c]:.4f}" if c.endswith("_s") else r[c] for c in COLUMNS)]
+        lines.append(" | ".join(str(c) for c in cells))
+    if len(rows) > 1:
+        xs = [r["ranks"] * r["tensors"] for r in rows]
+        slopes = [f"{growth_exponent(xs, [r[c] for r in rows]):.2f}" for c in COLUMNS]
+        lines.append(" | ".join(["exponent", "", "", *slopes]))
+    return "\n".join(lines)
+
+
+def run_scale_benchmarks(workdir: str, ranks=DEFAULT_RANKS, tensors: int = DEFAULT_TENSORS) -> list[dict]:
+    """The rows for ``shardkit bench --only scale`` (one run per rank count); prints the fitted table."""
+    rows = [measure(r, tensors, workdir) for r in ranks]
+    print(format_scale_table(rows), file=sys.stderr, flush=True)
+    # The runner's common table shows the save wall time; the fitted table above has every column.
+    return [{"suite": "scale", "case": f"scale save {r['ranks']}x{r['tensors']}", "impl": "shardkit",
+             "median_s": r["save_wall_s"], "min_s": r["save_wall_s"], "max_s": r["save_wall_s"], **r}
+            for r in rows]
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = [measure(int(n), int(sys.argv[2]) if len(sys.argv) > 2 else DEFAULT_TENSORS, tmp)
+               for n in (sys.argv[1].split(",") if len(sys.argv) > 1 else DEFAULT_RANKS)]
+    print(format_scale_table(out))
