@@ -170,7 +170,7 @@ def test_validate_summarises_a_long_problem_list(tmp_path, monkeypatch):
 
     d = _many_ranks(tmp_path / "r5k")
     problems = [f"rank_{r}.safetensors is damaged (problem {r})" for r in range(5001)]
-    monkeypatch.setattr(shardkit.checkpoint, "validate_distributed", lambda path: ValidationReport(path, problems))
+    monkeypatch.setattr(shardkit.checkpoint, "validate_distributed", lambda path, **kwargs: ValidationReport(path, problems))
     proc = _in_process("validate", d)
     assert proc.returncode == 1 and not proc.stderr
     lines = proc.stdout.splitlines()
@@ -247,7 +247,7 @@ def test_bad_usage_exits_2_without_traceback():
 def test_internal_error_is_one_line_with_a_hint(tmp_path, monkeypatch, capsys):
     import shardkit.cli.validate as validate_cmd
 
-    def broken(path):
+    def broken(path, progress=None):
         raise RuntimeError("something inside broke")
 
     monkeypatch.setattr(validate_cmd, "problems_of", broken)

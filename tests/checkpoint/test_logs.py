@@ -33,3 +33,13 @@ def test_the_decorated_functions_keep_their_docstrings_and_signatures():
 
     assert "dcp" in ckpt.save.__doc__.lower() or ckpt.save.__doc__
     assert list(inspect.signature(ckpt.load_distributed).parameters)[:3] == ["dir", "rank", "world_size"]
+
+
+def test_validate_reports_progress_by_data_file(tmp_path):
+    path = str(tmp_path / "ck")
+    for rank in range(3):
+        ckpt.save_distributed({"w": torch.full((100,), float(rank))}, path, rank, 3,
+                              ckpt.ShardMetadata(3, {"w": ckpt.TensorShardSpec((300,), 0, (100, 100, 100))}))
+    calls = []
+    assert ckpt.validate_distributed(path, progress=lambda advance, total: calls.append((advance, total))).ok
+    assert len(calls) == 3 and sum(a for a, _ in calls) == calls[0][1]

@@ -50,12 +50,14 @@ class ValidationReport:
 
 
 @logged("validate")
-def validate_distributed(dir, *, hash_bytes: bool = True) -> ValidationReport:
+def validate_distributed(dir, *, hash_bytes: bool = True, progress=None) -> ValidationReport:
     """Check a checkpoint directory end to end; see the module docstring.
 
     ``hash_bytes=False`` checks everything but the data bytes themselves
     (metadata, manifests, file sizes against their records, headers): for a
     writer that has just hashed the bytes it wrote and recorded those hashes.
+    ``progress(advance_bytes, total_bytes)``, if given, is called after each
+    data file is checked (the CLI draws a progress bar with it).
 
     A damaged or hostile directory gives problems, never an exception; time
     and memory are linear in the metadata and the data files' real sizes
@@ -78,6 +80,7 @@ def validate_distributed(dir, *, hash_bytes: bool = True) -> ValidationReport:
         records = dict(m.files)
     present = _present_names(storage, directory)
     chunks = chunks_by_file(m.tensors, present)
+    total_bytes = sum(r.bytes for r in records.values())
     missing = []
     for rank in range(m.num_ranks):
         name = data_file_name(rank)
@@ -86,6 +89,8 @@ def validate_distributed(dir, *, hash_bytes: bool = True) -> ValidationReport:
             continue
         _check_file(storage, directory, m, rank, records.get(name), chunks.get(name, []), report.problems,
                     hash_bytes)
+        if progress is not None and name in records:
+            progress(records[name].bytes, total_bytes)
     report.problems += [f"{data_file_name(r)} is missing (rank {r}'s data file)" for r in missing[:_LISTED]]
     if len(missing) > _LISTED:
         report.problems.append(f"{len(missing) - _LISTED} more of the {m.num_ranks} data files are missing (ranks "

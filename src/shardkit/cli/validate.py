@@ -12,8 +12,10 @@ not, 2 when DIR is missing or not a checkpoint. It never modifies the checkpoint
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
+from shardkit.cli._tools import add_common, progress_bar, setup_logging
 from shardkit.cli.target import DCP, DISTRIBUTED, checkpoint_kind
 
 #: Problems printed before "... and N more" without --all.
@@ -27,11 +29,13 @@ def register(sub) -> None:
                                "(.metadata; it has no checksums, so every tensor is read once)")
     p.add_argument("--all", action="store_true", help=f"print every problem, not just the first {SHOWN_PROBLEMS}")
     p.add_argument("--json", action="store_true", help='print {"path", "ok", "problems": [...]} as JSON')
+    add_common(p)
     p.set_defaults(run=run)
 
 
-def problems_of(path: str) -> list[str]:
-    """Every problem of the checkpoint at ``path`` (``[]``: complete and intact)."""
+def problems_of(path: str, progress=None) -> list[str]:
+    """Every problem of the checkpoint at ``path`` (``[]``: complete and intact); ``progress`` as
+    :func:`~shardkit.checkpoint.validate_distributed` takes it (distributed checkpoints only)."""
     kind = checkpoint_kind(path)
     if kind == DCP:
         return dcp_problems(path)
@@ -40,7 +44,7 @@ def problems_of(path: str) -> list[str]:
         from shardkit.hf.untrusted import hostile_input
 
         with hostile_input(path, fix="the checkpoint is damaged; restore it or use an earlier one"):
-            return list(validate_distributed(path).problems)
+            return list(validate_distributed(path, progress=progress).problems)
     from shardkit.hf import checkpoint_problems
 
     return checkpoint_problems(path)
@@ -67,7 +71,26 @@ def dcp_problems(path: str) -> list[str]:
 
 
 def run(args) -> int:
-    problems = problems_of(args.path)
+    setup_logging(args)
+    with contextlib.ExitStack() as stack:
+        problems = problems_of(args.path, _lazy_bar(args, stack))
+    return _report(args, problems)
+
+
+def _lazy_bar(args, stack: contextlib.ExitStack):
+    """A ``progress(advance_bytes, total_bytes)`` that opens the bar once the total is known."""
+    update = None
+
+    def progress(advance_bytes: int, total_bytes: int) -> None:
+        nonlocal update
+        if update is None:
+            update = stack.enter_context(progress_bar(args, total_bytes, "validating")) or (lambda n: None)
+        update(advance_bytes)
+
+    return progress
+
+
+def _report(args, problems: list[str]) -> int:
     if args.json:
         print(json.dumps({"path": args.path, "ok": not problems, "problems": problems}, indent=2, ensure_ascii=False))
         return 0 if not problems else 1
