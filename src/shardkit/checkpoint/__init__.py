@@ -19,6 +19,7 @@ Example::
 """
 
 from shardkit.checkpoint.load import load_consolidated, load_distributed, load_region, read_metadata, reshard
+from shardkit.checkpoint.read_path import OpenCheckpoint, open_checkpoint
 from shardkit.checkpoint.distributed_save import save_distributed
 from shardkit.checkpoint.spec import ShardMetadata, TensorShardSpec, flat_shard_metadata
 from shardkit.checkpoint.validate import ValidationReport, validate_distributed
@@ -29,6 +30,8 @@ from shardkit.checkpoint.api import async_save, load, save
 from shardkit.checkpoint.manager import CheckpointManager
 
 __all__ = [
+    "open_checkpoint",
+    "OpenCheckpoint",
     "save",
     "load",
     "async_save",

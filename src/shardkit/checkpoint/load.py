@@ -44,16 +44,16 @@ from typing import Sequence
 
 import torch
 
-from shardkit.checkpoint.execute import OpenFiles, check_chunks, run_loads, saved_dtype, scratch_elems_of
 from shardkit.checkpoint.load_into import load_into
+from shardkit.checkpoint.logs import logged
 from shardkit.checkpoint.manifest import Manifest, read_manifest
 from shardkit.checkpoint.nested import select_names, unflatten
-from shardkit.checkpoint.plan import plan_load, wanted_box
+from shardkit.checkpoint.read_path import open_checkpoint
+from shardkit.checkpoint.plan import wanted_box
 from shardkit.checkpoint.spec import check_world
-from shardkit.errors import MetadataError, TensorMismatchError
-from shardkit.layout import Box, whole_box
+from shardkit.errors import MetadataError
+from shardkit.layout import whole_box
 from shardkit.storage import storage_for
-from shardkit.checkpoint.logs import logged
 
 __all__ = ["load_distributed", "reshard", "load_region", "load_consolidated", "read_metadata"]
 
@@ -91,13 +91,13 @@ def load_distributed(dir, rank, world_size, *, keys=None, device="cpu", verify=N
     True
     """
     check_world(rank, world_size)
-    storage, directory = storage_for(dir)
-    m = read_manifest(storage, directory)
-    if out is not None:
-        return load_into(out, storage, directory, m, rank, world_size, keys=keys, verify=verify)
-    names = select_names(list(m.tensors) + list(m.objects), keys)
-    want = {n: wanted_box(m.tensors[n], m.num_ranks, rank, world_size) for n in names if n in m.tensors}
-    tensors = _load_boxes(storage, directory, m, want, verify)
+    with open_checkpoint(dir, verify=verify) as ck:
+        m = ck.manifest
+        if out is not None:
+            return load_into(out, ck.storage, ck.directory, m, rank, world_size, keys=keys, verify=verify)
+        names = select_names(list(m.tensors) + list(m.objects), keys)
+        want = {n: wanted_box(m.tensors[n], m.num_ranks, rank, world_size) for n in names if n in m.tensors}
+        tensors = ck.boxes(want)
     leaves = {**{n: m.objects[n] for n in names if n in m.objects}, **_to_device(tensors, device)}
     return unflatten(m.structure, leaves, keep=set(names) if keys is not None else None)
 
@@ -111,13 +111,12 @@ def reshard(dir, old_world_size, new_world_size, new_rank, *, verify=None) -> di
     >>> reshard("/ckpt/step-10", 4, 3, 0)["layers.0.w"].shape
     """
     check_world(new_rank, new_world_size, what="new_rank")
-    storage, directory = storage_for(dir)
-    m = read_manifest(storage, directory)
-    if old_world_size != m.num_ranks:
-        raise MetadataError(f"old_world_size is {old_world_size}, but {directory} was saved by "
-                            f"{m.num_ranks} ranks (metadata.json num_ranks); pass {m.num_ranks}")
-    want = {n: wanted_box(t, m.num_ranks, new_rank, new_world_size) for n, t in m.tensors.items()}
-    return _load_boxes(storage, directory, m, want, verify)
+    with open_checkpoint(dir, verify=verify) as ck:
+        m = ck.manifest
+        if old_world_size != m.num_ranks:
+            raise MetadataError(f"old_world_size is {old_world_size}, but {ck.directory} was saved by "
+                                f"{m.num_ranks} ranks (metadata.json num_ranks); pass {m.num_ranks}")
+        return ck.boxes({n: wanted_box(t, m.num_ranks, new_rank, new_world_size) for n, t in m.tensors.items()})
 
 
 def load_region(dir, name, offsets: Sequence[int], sizes: Sequence[int], *, verify=None) -> torch.Tensor:
@@ -128,13 +127,8 @@ def load_region(dir, name, offsets: Sequence[int], sizes: Sequence[int], *, veri
     >>> load_region("/ckpt/step-10", "emb", (100, 0), (8, 1024)).shape
     torch.Size([8, 1024])
     """
-    storage, directory = storage_for(dir)
-    m = read_manifest(storage, directory)
-    if name not in m.tensors:
-        raise TensorMismatchError(f"{directory} has no tensor {name!r}; it holds: "
-                                  f"{', '.join(sorted(m.tensors)[:8]) or 'none'}")
-    box = _check_box(name, m.tensors[name].spec.full_shape, offsets, sizes)
-    return _load_boxes(storage, directory, m, {name: box}, verify)[name]
+    with open_checkpoint(dir, verify=verify) as ck:
+        return ck.region(name, offsets, sizes)
 
 
 def load_consolidated(dir, *, keys=None, verify=None) -> dict:
@@ -142,33 +136,12 @@ def load_consolidated(dir, *, keys=None, verify=None) -> dict:
 
     >>> load_consolidated("/ckpt/step-10")["model"]["w"].shape     # the full shape
     """
-    storage, directory = storage_for(dir)
-    m = read_manifest(storage, directory)
-    names = select_names(list(m.tensors) + list(m.objects), keys)
-    want = {n: whole_box(m.tensors[n].spec.full_shape) for n in names if n in m.tensors}
-    tensors = _load_boxes(storage, directory, m, want, verify)
+    with open_checkpoint(dir, verify=verify) as ck:
+        m = ck.manifest
+        names = select_names(list(m.tensors) + list(m.objects), keys)
+        tensors = ck.boxes({n: whole_box(m.tensors[n].spec.full_shape) for n in names if n in m.tensors})
     leaves = {**{n: m.objects[n] for n in names if n in m.objects}, **tensors}
     return unflatten(m.structure, leaves, keep=set(names) if keys is not None else None)
-
-
-def _check_box(name: str, full_shape: tuple[int, ...], offsets, sizes) -> Box:
-    offsets, sizes = tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
-    if len(offsets) != len(full_shape) or len(sizes) != len(full_shape):
-        raise TensorMismatchError(f"tensor {name!r} has {len(full_shape)} dimensions (full shape "
-                                  f"{list(full_shape)}); got {len(offsets)} offsets and {len(sizes)} sizes")
-    for d, (o, s, n) in enumerate(zip(offsets, sizes, full_shape)):
-        if o < 0 or s < 0 or o + s > n:
-            raise TensorMismatchError(f"box offsets {list(offsets)} sizes {list(sizes)} leaves tensor "
-                                      f"{name!r} of full shape {list(full_shape)} in dimension {d}")
-    return Box(offsets, sizes)
-
-
-def _load_boxes(storage, directory: str, m: Manifest, want: dict[str, Box], verify) -> dict[str, torch.Tensor]:
-    with OpenFiles.for_load(storage, directory, m, verify) as files:
-        dtypes = {n: saved_dtype(files, n, m.tensors[n]) for n in want}
-        check_chunks(files, m.tensors, want, dtypes)  # claimed shapes vs the files, before planning
-        plans = plan_load(m.tensors, want, scratch_elems_of(dtypes))
-        return run_loads(files, plans, dtypes.__getitem__)
 
 
 def _to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:

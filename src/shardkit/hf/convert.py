@@ -2,8 +2,9 @@
 
 Distributed -> HF: the index is planned from ``metadata.json`` alone (names,
 full shapes, dtypes); each shard file is then streamed one whole tensor at a
-time (``load_region`` of the full box, written, dropped), so memory stays
-around the largest tensor, never the model. The index is written last.
+time (read through one ``open_checkpoint``: the manifest once, each data
+file opened once; written, dropped), so memory stays around the largest
+tensor, never the model. The index is written last, under the writer lock.
 
 HF -> distributed: the HF shards are memory-mapped (file-backed pages the
 kernel can drop, not copies) and handed to ``save_distributed`` as one rank
@@ -24,7 +25,9 @@ from typing import Dict, Optional
 
 import torch
 
+from shardkit.checkpoint.read_path import open_checkpoint
 from shardkit.dtypes import from_safetensors_name
+from shardkit.layout import whole_box
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.hf.bin_io import read_bin_shard
 from shardkit.hf.index import (
@@ -44,18 +47,6 @@ from shardkit.storage import storage_for
 __all__ = ["distributed_to_hf", "hf_to_distributed", "load_distributed_flat"]
 
 
-def _saved_dtype(dist_dir: str, name: str, saved) -> torch.dtype:
-    if saved.dtype is not None:
-        return from_safetensors_name(saved.dtype)
-    # Seed-format manifests carry no dtype: read it from a shard header.
-    store, root = storage_for(dist_dir)
-    for file_name in sorted(f for f in store.listdir(root) if f.startswith("rank_") and f.endswith(".safetensors")):
-        entry = shard_header(store, store.join(root, file_name)).tensors.get(name)
-        if entry is not None:
-            return from_safetensors_name(entry.dtype)
-    raise MetadataError(f"{dist_dir}: no rank file holds tensor {name!r}; the checkpoint is incomplete")
-
-
 def distributed_to_hf(
     dist_dir: str,
     hf_dir: str,
@@ -70,30 +61,29 @@ def distributed_to_hf(
     in the index. With ``safetensors=False`` each ``.bin`` shard is built in
     memory (a shard, not the model).
     """
-    from shardkit.checkpoint import load_region, read_metadata
-
     store, root = storage_for(dist_dir)
     not_files = non_regular_problems(store, root)
     if not_files:
         raise MetadataError(f"{dist_dir}: {not_files[0]}")
     with hostile_input(dist_dir, fix="the distributed checkpoint is damaged; convert an earlier one"):
-        manifest = read_metadata(dist_dir)
-    lazy: Dict[str, LazyTensor] = {}
-    for name, saved in manifest.tensors.items():
-        shape = tuple(saved.spec.full_shape)
-        load = (lambda n=name, s=shape: load_region(dist_dir, n, [0] * len(s), list(s)))
-        lazy[name] = LazyTensor(_saved_dtype(dist_dir, name, saved), shape, load)
-    plan = plan_shards([(n, t.nbytes) for n, t in lazy.items()], max_shard_size)
-    weight_map = {n: shard_file_name(i + 1, len(plan), safetensors) for i, names in enumerate(plan) for n in names}
-    meta = {"total_size": sum(t.nbytes for t in lazy.values()), **(metadata or {})}
-    if manifest.objects:
-        meta["shardkit_objects"] = manifest.objects
-    store, root = storage_for(hf_dir)
-    store.makedirs(root)
-    _remove_previous(store, root)
-    for file_name, names in files_to_names(weight_map, weight_map).items():
-        _write_converted(store, store.join(root, file_name), {n: lazy[n] for n in names}, safetensors)
-    save_shard_index({"metadata": meta, "weight_map": weight_map}, hf_dir, index_file_name(safetensors))
+        source = open_checkpoint(dist_dir)
+    with source:  # one manifest read, each data file opened once for the whole conversion
+        lazy: Dict[str, LazyTensor] = {}
+        for name, saved in source.manifest.tensors.items():
+            shape = tuple(saved.spec.full_shape)
+            load = (lambda n=name, s=shape: source.region(n, [0] * len(s), list(s)))
+            lazy[name] = LazyTensor(source.dtype(name), shape, load)
+        plan = plan_shards([(n, t.nbytes) for n, t in lazy.items()], max_shard_size)
+        weight_map = {n: shard_file_name(i + 1, len(plan), safetensors) for i, names in enumerate(plan) for n in names}
+        meta = {"total_size": sum(t.nbytes for t in lazy.values()), **(metadata or {})}
+        if source.manifest.objects:
+            meta["shardkit_objects"] = source.manifest.objects
+        store, root = storage_for(hf_dir)
+        with store.writer_lock(root, holder="shardkit.hf.distributed_to_hf"):
+            _remove_previous(store, root)
+            for file_name, names in files_to_names(weight_map, weight_map).items():
+                _write_converted(store, store.join(root, file_name), {n: lazy[n] for n in names}, safetensors)
+            save_shard_index({"metadata": meta, "weight_map": weight_map}, hf_dir, index_file_name(safetensors))
 
 
 def _write_converted(store, path: str, tensors: Dict[str, LazyTensor], safetensors: bool) -> None:
@@ -107,18 +97,13 @@ def _write_converted(store, path: str, tensors: Dict[str, LazyTensor], safetenso
 
 def load_distributed_flat(dist_dir: str, keys=None) -> Dict[str, torch.Tensor]:
     """The full tensors of a distributed checkpoint by flat dotted name (only ``keys`` if given)."""
-    from shardkit.checkpoint import load_region, read_metadata
-
-    tensors = read_metadata(dist_dir).tensors
-    names = list(tensors) if keys is None else list(keys)
-    unknown = [n for n in names if n not in tensors]
-    if unknown:
-        raise TensorMismatchError(f"keys {sorted(unknown)[:10]} are not tensors of the checkpoint in {dist_dir}")
-    out = {}
-    for name in names:
-        shape = list(tensors[name].spec.full_shape)
-        out[name] = load_region(dist_dir, name, [0] * len(shape), shape)
-    return out
+    with open_checkpoint(dist_dir) as source:
+        tensors = source.manifest.tensors
+        names = list(tensors) if keys is None else list(keys)
+        unknown = [n for n in names if n not in tensors]
+        if unknown:
+            raise TensorMismatchError(f"keys {sorted(unknown)[:10]} are not tensors of the checkpoint in {dist_dir}")
+        return source.boxes({n: whole_box(tensors[n].spec.full_shape) for n in names})
 
 
 def hf_to_distributed(

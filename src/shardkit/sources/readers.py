@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import xxhash
 
+from shardkit.checkpoint.read_path import check_box, open_checkpoint
 from shardkit.dtypes import from_safetensors_name
 from shardkit.errors import CheckpointError, MetadataError
 from shardkit.sources.base import CheckpointSource, TensorInfo
@@ -33,15 +34,13 @@ class DistributedSource(CheckpointSource):
     kind = "distributed"
 
     def __init__(self, path: str):
-        from shardkit.checkpoint import read_metadata
-        from shardkit.checkpoint.manifest import file_records
-
         super().__init__(path)
-        self.manifest = read_metadata(path)
-        self.storage, self.directory = storage_for(path)
-        self.records = file_records(self.storage, self.directory, self.manifest)
+        # verify=True: every block a read touches is hashed, so a corrupt source is refused,
+        # never copied under fresh checksums.
+        self._ck = open_checkpoint(path, verify=True)
+        self.manifest, self.storage, self.directory = self._ck.manifest, self._ck.storage, self._ck.directory
+        self.records = self._ck.records
         self._infos: dict[str, TensorInfo] | None = None
-        self._files = None
 
     def tensors(self) -> dict[str, TensorInfo]:
         if self._infos is None:
@@ -50,15 +49,13 @@ class DistributedSource(CheckpointSource):
 
     def _build_infos(self) -> dict[str, TensorInfo]:
         from shardkit.checkpoint.plan import saved_chunks
-        from shardkit.hf.convert import _saved_dtype
-
         headers = {}
         for file_name in self.records:
             with self.storage.open_reader(self.storage.join(self.directory, file_name)) as reader:
                 headers[file_name] = read_header(reader)
         infos = {}
         for name, saved in self.manifest.tensors.items():
-            dtype = from_safetensors_name(saved.dtype) if saved.dtype else _saved_dtype(self.path, name, saved)
+            dtype = self._ck.dtype(name)
             shape = tuple(saved.spec.full_shape)
             infos[name] = TensorInfo(dtype, shape, self._checksum(name, dtype, shape, saved_chunks(saved), headers))
         return infos
@@ -92,36 +89,18 @@ class DistributedSource(CheckpointSource):
         so a corrupt source raises :class:`~shardkit.errors.ChecksumError`
         instead of being copied under fresh checksums.
         """
-        from shardkit.checkpoint.execute import check_chunks, run_loads, scratch_elems_of
-        from shardkit.checkpoint.load import _check_box
-        from shardkit.checkpoint.plan import plan_load
-
         saved = self.manifest.tensors.get(name)
         if saved is None:
             raise MetadataError(f"{self.path} has no tensor {name!r}")
         shape = tuple(saved.spec.full_shape)
-        box = _check_box(name, shape, offsets if offsets is not None else (0,) * len(shape), tuple(out.shape))
-        files, dtypes = self._open_files(), {name: self._dtype(name)}
-        check_chunks(files, self.manifest.tensors, {name: box}, dtypes)
-        run_loads(files, plan_load(self.manifest.tensors, {name: box}, scratch_elems_of(dtypes)),
-                  dtypes.__getitem__, {name: out})
-
-    def _open_files(self):
-        from shardkit.checkpoint.execute import OpenFiles
-
-        if self._files is None:
-            self._files = OpenFiles(self.storage, self.directory, self.records, verify=True)
-        return self._files
+        box = check_box(name, shape, offsets if offsets is not None else (0,) * len(shape), tuple(out.shape))
+        self._ck.boxes({name: box}, out={name: out})
 
     def _dtype(self, name: str) -> torch.dtype:
-        from shardkit.checkpoint.execute import saved_dtype
-
-        return saved_dtype(self._open_files(), name, self.manifest.tensors[name])
+        return self._ck.dtype(name)
 
     def close(self) -> None:
-        if self._files is not None:
-            self._files.close()
-            self._files = None
+        self._ck.close()
 
     def objects(self) -> dict[str, Any]:
         return dict(self.manifest.objects)
