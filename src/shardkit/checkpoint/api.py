@@ -35,19 +35,20 @@ import threading
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from shardkit.checkpoint.async_save import CheckpointFuture, _dedicated_gloo_group
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.dtensor_layout import local_box
 from shardkit.checkpoint.group import resolve_group
 from shardkit.checkpoint.load_into import _leaves, _replace_plain, load_into
+from shardkit.checkpoint.logs import logged
 from shardkit.checkpoint.manifest import read_manifest
 from shardkit.checkpoint.rank_state import check_reserved, is_rank_state_name, rank_state_targets, warn_world_changed
 from shardkit.checkpoint.shutdown import join_at_exit
 from shardkit.checkpoint.staging import stage
 from shardkit.errors import AsyncCheckpointError, TensorMismatchError
 from shardkit.storage import storage_for
-from shardkit.checkpoint.logs import logged
 
 __all__ = ["save", "load", "async_save", "resolve_world", "start_background", "background_coordinator",
            "stage_for_background"]
@@ -55,8 +56,6 @@ __all__ = ["save", "load", "async_save", "resolve_world", "start_background", "b
 
 def resolve_world(group):
     """``(coordinator or None, rank, world_size)`` of ``group``; None: the default group if initialised."""
-    import torch.distributed as dist
-
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None, 0, 1
@@ -169,8 +168,6 @@ _STAGING: dict[int, dict] = {}                      # id(background group) -> st
 
 def background_coordinator(group, coordinator, rank: int, world_size: int):
     """A group of its own for the background thread's collectives, made once per training group."""
-    import torch.distributed as dist
-
     if coordinator is None:
         return None
     key = getattr(group, "process_group", group) if group is not None else dist.group.WORLD

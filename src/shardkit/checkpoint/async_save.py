@@ -76,9 +76,13 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
+from shardkit.checkpoint.distributed_save import check_may_overwrite, save_distributed
 from shardkit.checkpoint.shutdown import destroy_at_exit, join_at_exit
+from shardkit.checkpoint.nested import flatten
 from shardkit.checkpoint.staging import stage
+from shardkit.comm import Group
 from shardkit.errors import AsyncCheckpointError, AsyncCheckpointIOError, AsyncWaitTimeout, CheckpointIOError
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]
@@ -87,9 +91,6 @@ _WITHDRAWN = object()  # handed to the writer thread instead of a state when sta
 
 
 def _save_staged(staged, dir, rank, world_size, shard_spec, group, *, overwrite: bool) -> None:
-    # Imported late: shardkit.checkpoint imports this module.
-    from shardkit.checkpoint import save_distributed
-
     save_distributed(staged, dir, rank, world_size, shard_spec, group=group, overwrite=overwrite)
 
 
@@ -306,8 +307,6 @@ class AsyncCheckpointer:
         # The background save checks again (under its lock); this makes the common
         # mistake fail here, on the caller's thread, before anything is staged.
         if self.group is None and not overwrite:
-            from shardkit.checkpoint.distributed_save import check_may_overwrite
-
             check_may_overwrite(target, self.rank, self.world_size)
 
     def _claim(self, target: str) -> CheckpointFuture:
@@ -321,8 +320,6 @@ class AsyncCheckpointer:
         staged, buffers = stage(state_dict, self._buffers if self.reuse_buffers else {})
         # Refuse what the save would refuse (non-str keys, leaves that need pickle) here and
         # now, not in the background; cheap: a walk over the leaves.
-        from shardkit.checkpoint.nested import flatten
-
         flatten(staged)
         self._buffers = buffers if self.reuse_buffers else {}
         return staged
@@ -365,9 +362,7 @@ def _dedicated_gloo_group(group):
     tensors go over Gloo whatever its backend); a torch ProcessGroup gets a
     new Gloo group from ``torch.distributed.new_group``.
     """
-    import torch.distributed as dist
-
-    if hasattr(group, "split") and hasattr(group, "world_size") and hasattr(group, "process_group"):
+    if isinstance(group, Group):
         return group.split(list(range(group.world_size)))
     pg = group
     try:

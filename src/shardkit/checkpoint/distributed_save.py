@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import xxhash
 
 from shardkit.checkpoint.group import exchange, resolve_group
+from shardkit.checkpoint.logs import logged
 from shardkit.checkpoint.manifest import (
     METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_json,
     rank_manifest_name, write_json,
@@ -73,7 +74,6 @@ from shardkit.checkpoint.spec import TensorShardSpec, as_spec_dict, check_local_
 from shardkit.dtypes import to_safetensors_name
 from shardkit.errors import CheckpointBusyError, CheckpointError, CheckpointExistsError, TensorMismatchError
 from shardkit.storage import FileRecord, Storage, storage_for, write_safetensors
-from shardkit.checkpoint.logs import logged
 
 __all__ = ["save_distributed"]
 

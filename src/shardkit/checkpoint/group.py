@@ -17,12 +17,13 @@ Example::
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from shardkit.comm.abort import AbortHandle, wait_work
+from shardkit.comm import Group
+from shardkit.comm.process_group_view import ProcessGroupView
 from shardkit.errors import CommError, MetadataError
 
 __all__ = ["resolve_group", "exchange", "EXCHANGE_OBSERVERS"]
@@ -33,66 +34,21 @@ __all__ = ["resolve_group", "exchange", "EXCHANGE_OBSERVERS"]
 EXCHANGE_OBSERVERS: list = []
 
 
-class _TorchGroup:
-    """A torch ``ProcessGroup`` seen through the one collective a save needs.
-
-    The collective is issued asynchronously and waited for by
-    ``comm.abort.wait_work`` (the wait shardkit's own groups use), so a dead
-    peer raises a ``CommError`` rather than the backend's ``RuntimeError``.
-    """
-
-    def __init__(self, pg):
-        import torch.distributed as dist
-
-        self.pg = pg
-        self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
-        self.backend = dist.get_backend(pg)
-        self.timeout = _timeout_of(pg)
-        self._abort = AbortHandle()
-
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        import torch.distributed as dist
-
-        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        what = f"all_gather on rank {self.rank} of {self.world_size} (torch {self.backend} process group)"
-        try:
-            work = dist.all_gather(out, tensor, group=self.pg, async_op=True)
-        except Exception as e:  # noqa: BLE001 - a backend that fails at once (peer already gone)
-            raise CommError(f"{what} failed in the backend; a peer rank may have died. "
-                            f"Backend said: {str(e).strip()[:300]}") from e
-        wait_work(work, what=what, timeout=self.timeout, handle=self._abort, backend_wait=self.backend == "gloo")
-        return out
-
-
-def _timeout_of(pg) -> timedelta:
-    """The process group's own timeout where torch tells it, else torch's default."""
-    import torch.distributed as dist
-
-    try:
-        return pg._get_backend(torch.device("cpu")).options._timeout
-    except Exception:  # noqa: BLE001 - private API; the backend's own timeout still applies
-        return getattr(dist, "default_pg_timeout", timedelta(minutes=30))
-
-
 def resolve_group(group: Any, rank: int, world_size: int):
-    """What coordinates a save: None (no group, or a group of one) or an object with
-    ``rank``, ``world_size``, ``backend`` and ``all_gather(tensor) -> list``, checked
-    against ``rank`` and ``world_size``.
-
-    A shardkit ``comm.Group`` is used as it is (its timeouts and abort apply); a
-    torch ``ProcessGroup``, or another object's ``.process_group``, is wrapped.
+    """What coordinates a save: None (no group, or a group of one), a shardkit
+    ``comm.Group`` as it is (its timeouts and abort apply), or a torch
+    ``ProcessGroup`` (or another object's ``.process_group``) wrapped in
+    ``comm.ProcessGroupView``; checked against ``rank`` and ``world_size``.
     """
     if group is None:
         return None
-    import torch.distributed as dist
-
     pg = getattr(group, "process_group", group)
     if pg is None:
         return None                      # a group of one: nothing to coordinate
-    if all(hasattr(group, a) for a in ("all_gather", "rank", "world_size", "backend")):
+    if isinstance(group, Group):
         coordinator = group
     elif isinstance(pg, dist.ProcessGroup):
-        coordinator = _TorchGroup(pg)
+        coordinator = ProcessGroupView(pg)
     else:
         raise TypeError(f"group must be None, a torch ProcessGroup, a shardkit comm.Group or an object "
                         f"with a .process_group, got {type(group).__name__}")

@@ -30,6 +30,8 @@ import atexit
 import threading
 import weakref
 
+import torch.distributed as dist
+
 __all__ = ["destroy_at_exit", "join_at_exit"]
 
 _lock = threading.Lock()
@@ -79,8 +81,6 @@ def _at_exit() -> None:
     with _lock:
         groups, _groups[:] = list(_groups), []
     try:
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             return
         # Measured under torchrun (2 Gloo ranks, 8-12 runs each): a job that leaves a group from

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from shardkit.checkpoint.nested import flatten
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import compute_shard_sizes
 
@@ -158,8 +159,6 @@ def flat_shard_metadata(state_dict, world_size: int) -> ShardMetadata:
     >>> flat_shard_metadata({"w": torch.zeros(3)}, 4).tensor_specs["w"]
     TensorShardSpec(full_shape=(12,), shard_dim=0, shard_sizes=(3, 3, 3, 3))
     """
-    from shardkit.checkpoint.nested import flatten
-
     if not isinstance(world_size, int) or world_size < 1:
         raise MetadataError(f"world_size must be an integer >= 1, got {world_size!r}")
     flat = flatten(state_dict)

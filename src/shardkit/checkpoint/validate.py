@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 import xxhash
 
 from shardkit import knobs
+from shardkit.checkpoint.logs import logged
 from shardkit.checkpoint.manifest import Manifest, data_file_name, file_records, read_manifest
 from shardkit.checkpoint.plan import chunks_by_file
 from shardkit.errors import CheckpointError
 from shardkit.layout import Box
 from shardkit.storage import FileRecord, Reader, SafetensorsHeader, read_header, storage_for
-from shardkit.checkpoint.logs import logged
 
 __all__ = ["ValidationReport", "validate_distributed"]
 

@@ -18,10 +18,12 @@ from shardkit.comm.abort import AbortHandle
 from shardkit.comm.device_group import DeviceGroup
 from shardkit.comm.gpu_policy import FALLBACK_ENV, GpuFallbackWarning
 from shardkit.comm.group import Group
+from shardkit.comm.process_group_view import ProcessGroupView
 from shardkit.comm.reduce_op import ReduceOp
 from shardkit.comm.unique_id import UniqueId
 
 __all__ = [
+    "ProcessGroupView",
     "AbortHandle",
     "DeviceGroup",
     "FALLBACK_ENV",

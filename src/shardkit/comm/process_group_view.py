@@ -1,0 +1,58 @@
+"""A torch ``ProcessGroup`` that shardkit did not create, seen through one fail-fast collective.
+
+Checkpoint saves coordinate with a few small all-gathers. When the caller
+passes a plain torch ``ProcessGroup`` (``dist.group.WORLD``, a ``new_group``)
+instead of a :class:`~shardkit.comm.Group`, :class:`ProcessGroupView` issues
+those all-gathers asynchronously and waits for them with
+``comm.abort.wait_work`` (the wait ``Group`` uses), so a dead peer raises a
+``CommError`` within the group's timeout rather than the backend's raw
+``RuntimeError``, or a hang. It offers ``all_gather`` only: for anything
+else, build a ``Group``.
+
+Example::
+
+    view = ProcessGroupView(dist.group.WORLD)
+    parts = view.all_gather(torch.tensor([view.rank]))
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from shardkit.comm.abort import AbortHandle, wait_work
+from shardkit.errors import CommError
+
+__all__ = ["ProcessGroupView"]
+
+
+class ProcessGroupView:
+    """``rank``, ``world_size``, ``backend``, ``timeout`` and a fail-fast ``all_gather`` over ``pg``."""
+
+    def __init__(self, pg: "dist.ProcessGroup"):
+        self.pg = pg
+        self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
+        self.backend = dist.get_backend(pg)
+        self.timeout = _timeout_of(pg)
+        self._abort = AbortHandle()
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        what = f"all_gather on rank {self.rank} of {self.world_size} (torch {self.backend} process group)"
+        try:
+            work = dist.all_gather(out, tensor, group=self.pg, async_op=True)
+        except Exception as e:  # noqa: BLE001 - a backend that fails at once (peer already gone)
+            raise CommError(f"{what} failed in the backend; a peer rank may have died. "
+                            f"Backend said: {str(e).strip()[:300]}") from e
+        wait_work(work, what=what, timeout=self.timeout, handle=self._abort, backend_wait=self.backend == "gloo")
+        return out
+
+
+def _timeout_of(pg) -> timedelta:
+    """The process group's own timeout where torch tells it, else torch's default."""
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - private API; the backend's own timeout still applies
+        return getattr(dist, "default_pg_timeout", timedelta(minutes=30))
