@@ -43,7 +43,7 @@ from shardkit.checkpoint.dtensor_layout import local_box
 from shardkit.checkpoint.group import resolve_group
 from shardkit.checkpoint.load_into import _leaves, _replace_plain, load_into
 from shardkit.checkpoint.logs import logged
-from shardkit.checkpoint.manifest import read_manifest
+from shardkit.checkpoint.read_path import open_checkpoint
 from shardkit.checkpoint.rank_state import check_reserved, is_rank_state_name, rank_state_targets, warn_world_changed
 from shardkit.checkpoint.shutdown import join_at_exit
 from shardkit.checkpoint.staging import stage
@@ -113,8 +113,12 @@ def load(state_dict, dir, *, group=None, strict: bool = True, rank_state=None) -
     >>> load({"model": model_sd, "optim": optim_sd}, "/ckpt/step-7")
     """
     _, rank, world_size = resolve_world(group)   # every rank reads its own boxes: nothing to agree on
-    storage, directory = storage_for(dir)
-    m = read_manifest(storage, directory)
+    with open_checkpoint(dir) as ck:
+        _load_open(state_dict, ck, rank, world_size, strict, rank_state)
+
+
+def _load_open(state_dict, ck, rank: int, world_size: int, strict: bool, rank_state) -> None:
+    m = ck.manifest
     tensors, others = _walk(state_dict)
     check_reserved([*tensors, *others])
     _check_names(set(tensors) | others, {n for n in [*m.tensors, *m.objects] if not is_rank_state_name(n)}, strict)
@@ -140,7 +144,7 @@ def load(state_dict, dir, *, group=None, strict: bool = True, rank_state=None) -
         _check_names(set(extra_targets) | set(plain), set(m.tensors) | set(m.objects), strict=False)
         targets.update(extra_targets)
         boxes.update(extra_boxes)
-    load_into(targets, storage, directory, m, 0, 1, keys=None, verify=None, boxes=boxes)
+    load_into(targets, ck, 0, 1, keys=None, boxes=boxes)
     _replace_plain(state_dict, "", {n: m.objects[n] for n in others})
     if plain:
         _replace_plain(rank_state, "", {leaf: m.objects[saved] for saved, leaf in plain.items()})

@@ -94,7 +94,7 @@ def load_distributed(dir, rank, world_size, *, keys=None, device="cpu", verify=N
     with open_checkpoint(dir, verify=verify) as ck:
         m = ck.manifest
         if out is not None:
-            return load_into(out, ck.storage, ck.directory, m, rank, world_size, keys=keys, verify=verify)
+            return load_into(out, ck, rank, world_size, keys=keys)
         names = select_names(list(m.tensors) + list(m.objects), keys)
         want = {n: wanted_box(m.tensors[n], m.num_ranks, rank, world_size) for n in names if n in m.tensors}
         tensors = ck.boxes(want)

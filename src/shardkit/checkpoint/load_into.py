@@ -20,7 +20,8 @@ fill: load that part without ``out``, or step once first). A checkpoint found co
 Example::
 
     state = {"model": model.state_dict(), "step": 0}
-    load_into(state, storage, directory, manifest, rank=1, world_size=3, keys=None, verify=None)
+    with open_checkpoint("/ckpt/step-7") as ck:
+        load_into(state, ck, rank=1, world_size=3, keys=None)
 """
 
 from __future__ import annotations
@@ -35,15 +36,15 @@ from shardkit.checkpoint.execute import OpenFiles, check_chunks, check_plans, ru
 from shardkit.checkpoint.manifest import Manifest
 from shardkit.checkpoint.nested import join_name, select_names
 from shardkit.checkpoint.plan import TensorLoad, plan_load, wanted_box
+from shardkit.checkpoint.read_path import OpenCheckpoint
 from shardkit.errors import TensorMismatchError
 from shardkit.layout import Box
-from shardkit.storage import Storage
 
 __all__ = ["load_into"]
 
 
-def load_into(out: Mapping, storage: Storage, directory: str, m: Manifest, rank: int, world_size: int, *,
-              keys, verify, boxes: Mapping[str, Box] | None = None) -> Mapping:
+def load_into(out: Mapping, ck: OpenCheckpoint, rank: int, world_size: int, *,
+              keys, boxes: Mapping[str, Box] | None = None) -> Mapping:
     """Fill ``out``'s tensors in place with this rank's slices and replace its plain leaves; returns ``out``.
 
     Reads only the tensors ``out`` names (and ``keys`` selects, when given). ``boxes`` (by name)
@@ -51,25 +52,27 @@ def load_into(out: Mapping, storage: Storage, directory: str, m: Manifest, rank:
     It does not add the checkpoint's other leaves to ``out``; plain leaves of
     ``out`` that the checkpoint lacks stay as they are.
 
-    >>> load_into(state, storage, directory, m, 0, 2, keys=None, verify=None) is state
+    Reads through ``ck`` (its manifest, its open files, its ``verify``).
+
+    >>> load_into(state, ck, 0, 2, keys=None) is state
     True
     """
     if not isinstance(out, Mapping):
         raise TypeError(f"out must be a dict (possibly nested), like the state that was saved; got "
                         f"{type(out).__name__}")
+    m, files = ck.manifest, ck.files()
     tensors, others = _leaves(out)
     names = _chosen([*tensors, *others], [*m.tensors, *m.objects], keys)
     targets = {n: tensors[n].detach() for n in tensors if n in names}  # detach: params that require grad
     want = {n: _check_target(n, t, m, rank, world_size, (boxes or {}).get(n)) for n, t in targets.items()}
     _check_plain(others & names, m, rank, world_size)
-    with OpenFiles.for_load(storage, directory, m, verify) as files:
-        dtypes = {n: saved_dtype(files, n, m.tensors[n]) for n in want}
-        for n, t in targets.items():
-            _check_dtype(n, t, dtypes[n])
-        check_chunks(files, m.tensors, want, dtypes)  # claimed shapes vs the files, before planning
-        plans = plan_load(m.tensors, want, scratch_elems_of(dtypes))
-        check_plans(files, plans, dtypes.__getitem__)
-        _fill(files, plans, targets, dtypes)
+    dtypes = {n: saved_dtype(files, n, m.tensors[n]) for n in want}
+    for n, t in targets.items():
+        _check_dtype(n, t, dtypes[n])
+    check_chunks(files, m.tensors, want, dtypes)  # claimed shapes vs the files, before planning
+    plans = plan_load(m.tensors, want, scratch_elems_of(dtypes))
+    check_plans(files, plans, dtypes.__getitem__)
+    _fill(files, plans, targets, dtypes)
     _replace_plain(out, "", {n: m.objects[n] for n in names if n in m.objects})
     return out
 

@@ -87,6 +87,10 @@ class OpenCheckpoint:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def files(self) -> OpenFiles:
+        """The data files, opened on first use and held until :meth:`close` (for the loaders built on this)."""
+        return self._open_files()
+
     def _open_files(self) -> OpenFiles:
         if self._files is None:
             self._files = OpenFiles.for_load(self.storage, self.directory, self.manifest, self._verify)

@@ -23,8 +23,9 @@ import xxhash
 
 from shardkit import knobs
 from shardkit.checkpoint.logs import logged
-from shardkit.checkpoint.manifest import Manifest, data_file_name, file_records, read_manifest
+from shardkit.checkpoint.manifest import Manifest, data_file_name, file_records
 from shardkit.checkpoint.plan import chunks_by_file
+from shardkit.checkpoint.read_path import open_checkpoint
 from shardkit.errors import CheckpointError
 from shardkit.layout import Box
 from shardkit.storage import FileRecord, Reader, SafetensorsHeader, read_header, storage_for
@@ -69,7 +70,8 @@ def validate_distributed(dir, *, hash_bytes: bool = True, progress=None) -> Vali
     storage, directory = storage_for(dir)
     report = ValidationReport(directory)
     try:
-        m = read_manifest(storage, directory)
+        with open_checkpoint(dir) as ck:   # the manifest, read and checked as every load reads it
+            m = ck.manifest
     except (CheckpointError, OSError) as e:
         report.problems.append(str(e))
         return report
