@@ -18,7 +18,7 @@ import threading
 
 import pytest
 import torch
-from held_writes import hold_writes
+from held_writes import hold_writes, held_writer_process
 
 from shardkit.checkpoint import load_consolidated, save_distributed, validate_distributed
 from shardkit.errors import CheckpointBusyError
@@ -56,19 +56,8 @@ def _hold_lock_and_fork(directory, child_pid) -> None:
 @pytest.fixture
 def held_writer(ctx, tmp_path):
     """A process in the middle of saving into ``tmp_path / "ck"``; yields (process, directory, release)."""
-    # A semaphore, not an Event: setting an Event whose waiter was SIGKILLed blocks forever.
-    started, release = ctx.Event(), ctx.Semaphore(0)
-    directory = str(tmp_path / "ck")
-    p = ctx.Process(target=_save_held_mid_write, args=(directory, 1, started, release))
-    p.start()
-    try:
-        assert started.wait(HANG_GUARD_S), "the writer never reached its data file"
-        yield p, directory, release
-    finally:
-        release.release()
-        p.join(HANG_GUARD_S)
-        if p.is_alive():
-            p.kill()
+    with held_writer_process(ctx, _save_held_mid_write, str(tmp_path / "ck"), 1, HANG_GUARD_S, "writer") as held:
+        yield held
 
 
 def _in_thread(fn):

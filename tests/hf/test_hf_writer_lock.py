@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import torch
-from held_writes import hold_writes
+from held_writes import hold_writes, held_writer_process
 
 from shardkit.errors import CheckpointBusyError
 from shardkit.hf import load_checkpoint, save_checkpoint, validate_checkpoint
@@ -38,18 +38,9 @@ def _hf_save_held_mid_write(directory, value, started, release) -> None:
 def held_hf_writer(tmp_path):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "shardkit.hf"])
-    started, release = ctx.Event(), ctx.Semaphore(0)   # a semaphore: safe to release after a SIGKILL
-    directory = str(tmp_path / "hf")
-    p = ctx.Process(target=_hf_save_held_mid_write, args=(directory, 1.0, started, release))
-    p.start()
-    try:
-        assert started.wait(HANG_GUARD_S), "the HF writer never reached its first shard"
-        yield p, directory, release
-    finally:
-        release.release()
-        p.join(HANG_GUARD_S)
-        if p.is_alive():
-            p.kill()
+    with held_writer_process(ctx, _hf_save_held_mid_write, str(tmp_path / "hf"), 1.0, HANG_GUARD_S,
+                             "HF writer") as held:
+        yield held
 
 
 def _fails_at_once(fn) -> BaseException | None:

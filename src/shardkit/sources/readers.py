@@ -17,11 +17,12 @@ from typing import Any
 import torch
 import xxhash
 
+from shardkit.checkpoint.plan import saved_chunks
 from shardkit.checkpoint.read_path import check_box, open_checkpoint
 from shardkit.dtypes import from_safetensors_name
 from shardkit.errors import CheckpointError, MetadataError
 from shardkit.sources.base import CheckpointSource, TensorInfo
-from shardkit.storage import read_header, storage_for
+from shardkit.storage import storage_for
 
 __all__ = ["DistributedSource", "HFSource", "DcpSource"]
 
@@ -48,11 +49,8 @@ class DistributedSource(CheckpointSource):
         return self._infos
 
     def _build_infos(self) -> dict[str, TensorInfo]:
-        from shardkit.checkpoint.plan import saved_chunks
-        headers = {}
-        for file_name in self.records:
-            with self.storage.open_reader(self.storage.join(self.directory, file_name)) as reader:
-                headers[file_name] = read_header(reader)
+        files = self._ck.files()   # the files the reads use: each opened and its header parsed once
+        headers = {file_name: files.get(file_name)[1] for file_name in self.records}
         infos = {}
         for name, saved in self.manifest.tensors.items():
             dtype = self._ck.dtype(name)
