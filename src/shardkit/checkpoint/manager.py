@@ -7,8 +7,9 @@
   and every data file it records exists with the recorded size; steps are
   ordered by their number, never by mtime. A save interrupted by a crash
   (even SIGKILL) leaves an incomplete directory that :meth:`restore`
-  ignores; it is deleted by a later rotation once a newer step is complete,
-  or cleared when the same step is saved again.
+  ignores; it is deleted by a later rotation once a newer step is complete
+  (with the temporaries and incomplete uploads killed saves left under
+  ``root``), or cleared when the same step is saved again.
 - **Rotation** (rank 0 only, on the background save thread, or a thread of
   its own for blocking saves; never on the training thread) keeps the
   ``keep_last`` newest complete steps and the best one by ``best``; it never
@@ -23,7 +24,7 @@
   ``memory://``, ``file://``); every listing, size check and deletion goes
   through that storage. On an object store a "directory" is a key prefix,
   a crashed save's orphans include its incomplete multipart uploads (aborted
-  with the step), and no writer lock is held (``Storage.writer_lock``): run
+  at the next rotation), and no writer lock is held (``Storage.writer_lock``): run
   one manager per ``root``.
 
 Example::
@@ -227,6 +228,11 @@ class CheckpointManager:
                 continue
             if step in complete or step < complete[-1]:   # old, or a crashed save older than the newest
                 _remove_step_dir(self._storage, self.step_dir(step))
+        if writing is None:
+            # What killed saves left that no step lists: temporaries beside the steps, and on object
+            # stores incomplete uploads (a step whose only object was one is not even a prefix).
+            # Nothing of this manager's is being written now: a save waits for the rotation.
+            self._storage.remove_orphans(self.root)
 
     def _best_step(self, complete: list[int]) -> int | None:
         if self.best is None:

@@ -266,8 +266,8 @@ class Storage:
     def remove_orphans(self, directory: str) -> list[str]:
         """Delete what killed writers left in ``directory``; return what was removed.
 
-        Leftovers are files under a temporary name (``storage.is_temp_name``)
-        and, on object stores, multipart uploads never completed (invisible
+        Leftovers are files (and directories) under a temporary name
+        (``storage.is_temp_name``) directly in ``directory`` and, on object stores, multipart uploads never completed anywhere under it (invisible
         to readers, but billed). None of them ever makes a checkpoint look
         complete; this only reclaims space. Call it only when no save into
         ``directory`` is running: a running save's files look the same.
@@ -278,7 +278,10 @@ class Storage:
             return []
         removed = [self.join(directory, n) for n in self.listdir(directory) if is_temp_name(n)]
         for path in removed:
-            self.remove(path)
+            if self.isdir(path):   # a directory built under a temporary name
+                self.remove_tree(path)
+            else:
+                self.remove(path)
         return removed
 
     def open_reader(self, path: str) -> Reader:
