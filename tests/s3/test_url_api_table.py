@@ -19,7 +19,7 @@ import shardkit.checkpoint as ckpt
 import shardkit.hf as hf
 from shardkit.cli import main as cli
 from shardkit.errors import CheckpointError
-from shardkit.storage import storage_for
+from shardkit.storage import storage_for, temp_name
 
 
 def _state(v: float = 1.0) -> dict:
@@ -84,12 +84,15 @@ def row_distributed_save_load_reshard_validate(url):
 
 def row_manager(url):
     root = url + "/run"
+    fsspec_pipe(root + "/step-0/rank_0.safetensors", b"a crashed save")
+    fsspec_pipe(f"{root}/{temp_name('step-7')}/metadata.json", b"{}")
     with ckpt.CheckpointManager(root, keep_last=2, best=("loss", "min")) as mgr:
+        assert mgr.steps() == []
         for step, loss in [(1, 3.0), (2, 0.5), (3, 2.0), (4, 4.0)]:
             mgr.save(step, _state(step), metrics={"loss": loss})
         mgr.wait()
         assert mgr.steps() == [2, 3, 4] and mgr.latest_step() == 4 and mgr.metrics(2) == {"loss": 0.5}
-    assert sorted(_names(root)) == ["step-2", "step-3", "step-4"]
+    assert sorted(_names(root)) == ["step-2", "step-3", "step-4"]   # the crashed step and temporary gone
     back = _empty()
     assert ckpt.CheckpointManager(root, async_save=False).restore(back) == 4
     _same(back, _state(4))
