@@ -7,8 +7,9 @@
   and every data file it records exists with the recorded size; steps are
   ordered by their number, never by mtime. A save interrupted by a crash
   (even SIGKILL) leaves an incomplete directory that :meth:`restore`
-  ignores; it is deleted by a later rotation once a newer step is complete,
-  or cleared when the same step is saved again.
+  ignores; it is deleted by a later rotation once a newer step is complete
+  (with the temporaries and incomplete uploads killed saves left under
+  ``root``), or cleared when the same step is saved again.
 - **Rotation** (rank 0 only, on the background save thread, or a thread of
   its own for blocking saves; never on the training thread) keeps the
   ``keep_last`` newest complete steps and the best one by ``best``; it never
@@ -17,8 +18,14 @@
   waits for it (and raises its failure as
   :class:`~shardkit.errors.AsyncCheckpointError`).
 - **Groups**: every rank of ``group`` calls ``save`` / ``restore`` at the
-  same point; ``restore`` uses rank 0's choice of step. ``root`` is a local
-  (or shared, mounted) directory.
+  same point; ``restore`` uses rank 0's choice of step.
+- **Where**: ``root`` is a local (or shared, mounted) directory or any URL
+  :func:`~shardkit.storage.storage_for` takes (``s3://``, ``gs://``,
+  ``memory://``, ``file://``); every listing, size check and deletion goes
+  through that storage. On an object store a "directory" is a key prefix,
+  a crashed save's orphans include its incomplete multipart uploads (aborted
+  at the next rotation), and no writer lock is held (``Storage.writer_lock``): run
+  one manager per ``root``.
 
 Example::
 
@@ -35,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import threading
 
 from shardkit.checkpoint.api import (
@@ -45,7 +51,7 @@ from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.group import exchange
 from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
 from shardkit.errors import CheckpointError, MetadataError
-from shardkit.storage import is_lock_name, storage_for
+from shardkit.storage import Storage, storage_for
 
 __all__ = ["CheckpointManager", "step_dir_name"]
 
@@ -68,7 +74,7 @@ class CheckpointManager:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise MetadataError(f"keep_last must be an integer >= 1 (the newest complete step is always kept), "
                                 f"got {keep_last!r}")
-        self.root = os.fspath(root)
+        self._storage, self.root = storage_for(os.fspath(root))
         self.group, self.keep_last, self.async_save = group, keep_last, async_save
         self.best = _parse_best(best)
         self._coordinator, self.rank, self.world_size = resolve_world(group)
@@ -77,7 +83,7 @@ class CheckpointManager:
         self._writing: int | None = None
         self._closed = False
         if self.rank == 0:
-            os.makedirs(self.root, exist_ok=True)
+            self._storage.makedirs(self.root)
 
     # --- what is there ---------------------------------------------------------
 
@@ -90,7 +96,7 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.root, step_dir_name(step))
+        return self._storage.join(self.root, step_dir_name(step))
 
     # --- save / restore --------------------------------------------------------
 
@@ -118,9 +124,8 @@ class CheckpointManager:
             stage_for_background(prep, background)
             self._future = start_background(prep, directory, background, before_write=clear, after=self._after_save)
             return
-        storage, path = storage_for(directory)
         try:
-            write_and_commit(prep, storage, path, self._coordinator, clear)
+            write_and_commit(prep, self._storage, directory, self._coordinator, clear)
         finally:
             self._writing = None
         if self.rank == 0:
@@ -148,7 +153,7 @@ class CheckpointManager:
 
     def metrics(self, step: int) -> dict:
         """The metrics saved with ``step``."""
-        m = read_manifest(*storage_for(self.step_dir(step)))
+        m = read_manifest(self._storage, self.step_dir(step))
         return dict((m.user_metadata.get(_KEY) or {}).get("metrics") or {})
 
     def wait(self) -> None:
@@ -183,18 +188,19 @@ class CheckpointManager:
     # --- internals -------------------------------------------------------------
 
     def _all_steps(self) -> list[int]:
+        # Temporary names (``storage.temp_name``: ``.step-3.<hex>.tmp``) never match.
         try:
-            names = os.listdir(self.root)
+            names = self._storage.listdir(self.root)
         except FileNotFoundError:
             return []
         return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, names) if m)
 
     def _complete(self, step: int) -> bool:
-        storage, directory = storage_for(self.step_dir(step))
+        storage, directory = self._storage, self.step_dir(step)
         try:
             m = read_manifest(storage, directory)
             records = file_records(storage, directory, m)
-            return all(os.path.getsize(os.path.join(directory, f)) == r.bytes for f, r in records.items())
+            return all(storage.size_bytes(storage.join(directory, f)) == r.bytes for f, r in records.items())
         except (CheckpointError, OSError):
             return False
 
@@ -206,8 +212,7 @@ class CheckpointManager:
     def _clear_leftover(self, step: int) -> None:
         # A crashed or older save of the same step; runs under this save's writer lock,
         # so the lock file stays (removing it would let a second writer in).
-        if os.path.isdir(self.step_dir(step)):
-            _remove_step_dir(self.step_dir(step), keep_locks=True)
+        _remove_step_dir(self._storage, self.step_dir(step), keep_locks=True)
 
     def _rotate(self) -> None:
         writing = self._writing
@@ -222,7 +227,12 @@ class CheckpointManager:
             if step in keep or step == writing:
                 continue
             if step in complete or step < complete[-1]:   # old, or a crashed save older than the newest
-                _remove_step_dir(self.step_dir(step))
+                _remove_step_dir(self._storage, self.step_dir(step))
+        if writing is None:
+            # What killed saves left that no step lists: temporaries beside the steps, and on object
+            # stores incomplete uploads (a step whose only object was one is not even a prefix).
+            # Nothing of this manager's is being written now: a save waits for the rotation.
+            self._storage.remove_orphans(self.root)
 
     def _best_step(self, complete: list[int]) -> int | None:
         if self.best is None:
@@ -249,20 +259,16 @@ def _parse_best(best):
     raise MetadataError(f"best must be None, a metric name or (name, 'min' | 'max'), got {best!r}")
 
 
-def _remove_step_dir(path: str, *, keep_locks: bool = False) -> None:
-    # Withdraw the commit first: a deletion cut short reads as incomplete, never as a broken checkpoint.
-    try:
-        os.remove(os.path.join(path, METADATA_FILE))
-    except FileNotFoundError:
-        pass
-    if not keep_locks:
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    for name in os.listdir(path):
-        if not is_lock_name(name):
-            entry = os.path.join(path, name)
-            if os.path.isdir(entry) and not os.path.islink(entry):
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(entry)
+def _remove_step_dir(storage: Storage, path: str, *, keep_locks: bool = False) -> None:
+    """Delete a step's every file (object: data, temporaries, incomplete uploads), ``metadata.json`` first.
+
+    Withdrawing the commit first makes a deletion cut short read as
+    incomplete, never as a checkpoint with missing data. ``keep_locks``: the
+    caller holds the step's writer lock, which must stay.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        storage.remove(storage.join(path, METADATA_FILE))
+    if keep_locks:
+        storage.clear_directory(path)
+    else:
+        storage.remove_tree(path)

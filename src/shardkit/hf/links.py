@@ -4,7 +4,8 @@ Each weight file of the latest complete checkpoint gets a **relative**
 symlink in ``model_dir`` (the directory can be moved or mounted elsewhere),
 shards first and the index last. Links left from an older checkpoint are
 replaced; a regular file in the way raises ``CheckpointExistsError`` unless
-``force_overwrite``. This module does not copy data or write configs.
+``force_overwrite``. This module does not copy data or write configs, and makes no links on
+object stores (``s3://``...: none exist there; it raises ``CheckpointError``).
 
 Example::
 
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 from typing import List
 
-from shardkit.errors import CheckpointExistsError, MissingShardError
+from shardkit.errors import CheckpointError, CheckpointExistsError, MissingShardError
 from shardkit.hf.directory import find_latest_checkpoint, get_checkpoint_metadata
 from shardkit.hf.index import load_shard_index
+from shardkit.storage import storage_for, temp_name
 
 __all__ = ["create_pretrained_symlinks"]
 
@@ -50,6 +51,13 @@ def create_pretrained_symlinks(model_dir: str, force_overwrite: bool = False, dr
     Both are raised before any link is made (also with ``dry_run``).
     ``force_overwrite`` replaces regular files, never directories.
     """
+    store, model_dir = storage_for(model_dir)
+    if not store.has_symlinks:
+        raise CheckpointError(
+            f"{model_dir} is on a store without symbolic links (an object store), so no link to the latest "
+            f"checkpoint can be made there, and from_pretrained reads local directories only: download the "
+            f"checkpoint find_latest_checkpoint({model_dir!r}) names and load that"
+        )
     latest = find_latest_checkpoint(model_dir)
     if latest is None:
         raise MissingShardError(
@@ -88,7 +96,7 @@ def _check_nothing_in_the_way(links: List[str], force_overwrite: bool) -> None:
 
 
 def _replace_with_link(target: str, link: str) -> None:
-    tmp = os.path.join(os.path.dirname(link), f".{os.path.basename(link)}.{secrets.token_hex(4)}.tmp")
+    tmp = os.path.join(os.path.dirname(link), temp_name(os.path.basename(link)))
     os.symlink(target, tmp)
     os.replace(tmp, link)  # atomic: a reader sees the old link or the new one
 

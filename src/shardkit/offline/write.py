@@ -20,8 +20,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from typing import Callable, Optional
 
 import torch
@@ -206,7 +204,7 @@ def export_hf(src: str, dst: str, *, kind: Optional[str] = None, prefix: Optiona
             meta = {"total_size": sum(b for _, b in sizes)}
             save_shard_index({"metadata": meta, "weight_map": weight_map}, tmp, index_file_name(True))
             if config:
-                shutil.copyfile(config, os.path.join(tmp, "config.json"))
+                _copy_config(config, storage, storage.join(root, "config.json"))
 
         publish_directory(dst, build, _check_hf)
 
@@ -226,8 +224,19 @@ def _filler(source, name: str, saved_dtype: torch.dtype):
 
 
 def _config_beside(src: str) -> Optional[str]:
-    path = os.path.join(src, "config.json")
-    return path if os.path.isfile(path) else None
+    storage, root = storage_for(src)
+    path = storage.join(root, "config.json")
+    return path if storage.exists(path) and not storage.isdir(path) else None
+
+
+def _copy_config(config: str, storage, path: str) -> None:
+    """Copy the (small, JSON) ``config`` file, local or a URL, to ``path`` of ``storage``."""
+    from shardkit import knobs
+
+    source, source_path = storage_for(config)
+    data = source.read_bytes(source_path, max_bytes=knobs.MAX_INDEX_BYTES)
+    with storage.atomic_writer(path) as f:
+        f.write(data)
 
 
 def _check_hf(tmp: str) -> list:

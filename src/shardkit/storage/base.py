@@ -154,6 +154,13 @@ class Storage:
     callers never test which backend they have.
     """
 
+    #: Whether a whole directory can be renamed into place in one step (local files);
+    #: False where a "directory" is a key prefix (object stores): writers then build
+    #: it under its final name, commit file last.
+    renames_directories = False
+    #: Whether the store keeps symbolic links (local files); object stores have none.
+    has_symlinks = False
+
     def join(self, *parts: str) -> str:
         raise NotImplementedError
 
@@ -178,8 +185,45 @@ class Storage:
         raise NotImplementedError
 
     def remove_tree(self, path: str) -> None:
-        """Delete ``path`` and everything under it; a missing ``path`` is not an error."""
+        """Delete ``path`` and everything under it; a missing ``path`` is not an error.
+
+        On object stores that includes the incomplete multipart uploads under
+        the prefix (a killed writer's, never visible but billed). It does not
+        order the deletions: to withdraw a checkpoint, remove its commit file
+        (``metadata.json``, an index) with :meth:`remove` first.
+        """
         raise NotImplementedError
+
+    def clear_directory(self, path: str) -> list[str]:
+        """Delete everything inside ``path`` except its writer-lock files; return what was removed.
+
+        For a writer that holds ``path``'s lock (:meth:`writer_lock`) and must
+        empty it without letting a second writer in: removing a held lock file
+        would. ``path`` itself stays; a missing ``path`` is not an error. On
+        object stores the incomplete uploads under it go too (as
+        :meth:`remove_tree`). Like :meth:`remove_tree` it does not order the
+        deletions. Example::
+
+            with store.writer_lock(step_dir):
+                store.clear_directory(step_dir)   # a crashed save's leftovers
+                ...                               # write the new checkpoint
+        """
+        from shardkit.storage.lock import is_lock_name
+
+        if not self.isdir(path):
+            return []
+        removed = []
+        for name in self.listdir(path):
+            entry = self.join(path, name)
+            if is_lock_name(name):
+                continue
+            if self.isdir(entry):
+                self.remove_tree(entry)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    self.remove(entry)
+            removed.append(entry)
+        return removed
 
     def modified_time(self, path: str) -> float:
         """When the file at ``path`` was last written, in seconds since the epoch."""
@@ -222,8 +266,8 @@ class Storage:
     def remove_orphans(self, directory: str) -> list[str]:
         """Delete what killed writers left in ``directory``; return what was removed.
 
-        Leftovers are files under a temporary name (``storage.is_temp_name``)
-        and, on object stores, multipart uploads never completed (invisible
+        Leftovers are files (and directories) under a temporary name
+        (``storage.is_temp_name``) directly in ``directory`` and, on object stores, multipart uploads never completed anywhere under it (invisible
         to readers, but billed). None of them ever makes a checkpoint look
         complete; this only reclaims space. Call it only when no save into
         ``directory`` is running: a running save's files look the same.
@@ -234,7 +278,10 @@ class Storage:
             return []
         removed = [self.join(directory, n) for n in self.listdir(directory) if is_temp_name(n)]
         for path in removed:
-            self.remove(path)
+            if self.isdir(path):   # a directory built under a temporary name
+                self.remove_tree(path)
+            else:
+                self.remove(path)
         return removed
 
     def open_reader(self, path: str) -> Reader:
@@ -259,9 +306,17 @@ class Storage:
         per rank; slot 0 is the directory's main writer, also taken by HF
         saves). Local files: an ``flock``'d hidden file (see ``storage.lock``;
         :func:`~shardkit.storage.is_lock_name` names it) that the kernel
-        releases when its holder dies. Stores without locks (fsspec, object
-        stores) hold nothing: one writer per directory is then the caller's
-        to ensure.
+        releases when its holder dies.
+
+        What it does not do: on fsspec stores (``s3://``, ``gs://``,
+        ``memory://``...) it holds **nothing** and detects nothing. Object
+        stores have no ``flock``; a lease object would outlive a killed
+        writer and block every later save until it expired, and would need a
+        heartbeat and conditional overwrites to be safe. Two writers saving
+        into one URL at once are then not detected: the last ``metadata.json``
+        wins and may name data objects the other writer replaced, which
+        ``validate`` (checksums) reports. One writer per URL is the caller's
+        to ensure (one job per run directory; rank 0 alone commits).
 
         Example::
 

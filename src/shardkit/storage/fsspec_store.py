@@ -217,6 +217,46 @@ class FsspecStorage(Storage):
     def remove_tree(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._strip(path), recursive=True)
+        self._abort_uploads_under(path)
+        if self._protocol in _S3:
+            self._remove_folder_entries(self._strip(path).rstrip("/"))
+
+    def _remove_folder_entries(self, key: str) -> None:
+        # Folder entries (``<prefix>/``: what S3 consoles create, and what SeaweedFS keeps for a
+        # prefix emptied object by object) would still list as a directory, deepest first; on a
+        # store that keeps none (AWS), one listing and a no-op delete.
+        bucket, _, prefix = key.partition("/")
+        if not prefix:
+            return
+        try:
+            entries = self.fs.ls(key, detail=True)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            name = entry["name"].rstrip("/")
+            if entry.get("type") == "directory" and name != key:
+                self._remove_folder_entries(name)
+        self.fs.call_s3("delete_object", Bucket=bucket, Key=prefix + "/")
+
+    def clear_directory(self, path: str) -> list[str]:
+        # One listing and one bulk delete; writer_lock keeps no lock objects here, but a
+        # name is still spared the way the interface says.
+        from shardkit.storage.lock import is_lock_name
+
+        key = self._strip(path).rstrip("/")
+        try:
+            entries = self.fs.ls(key, detail=False)
+        except FileNotFoundError:
+            entries = []
+        doomed = [e.rstrip("/") for e in entries
+                  if e.rstrip("/") != key and not is_lock_name(e.rstrip("/").rsplit("/", 1)[-1])]
+        if doomed:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(doomed, recursive=True)
+        return [self.join(path, e.rsplit("/", 1)[-1]) for e in doomed] + self._abort_uploads_under(path)
+
+    def _abort_uploads_under(self, path: str) -> list[str]:
+        return self._abort_uploads(self._strip(path)) if self._protocol in _S3 else []
 
     def modified_time(self, path: str) -> float:
         return self.fs.modified(self._strip(path)).timestamp()
@@ -290,10 +330,7 @@ class FsspecStorage(Storage):
             raise
 
     def remove_orphans(self, directory: str) -> list[str]:
-        removed = super().remove_orphans(directory)
-        if self._protocol in _S3:
-            removed += self._abort_uploads(self._strip(directory))
-        return removed
+        return super().remove_orphans(directory) + self._abort_uploads_under(directory)
 
     def _abort_uploads(self, directory_key: str) -> list[str]:
         bucket, _, key = directory_key.rstrip("/").partition("/")

@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -19,7 +20,7 @@ from shardkit import knobs
 from shardkit.errors import MissingShardError
 from shardkit.storage.atomic import atomic_local_writer, fsync_dir, typed_io_errors
 from shardkit.storage.base import Reader, Storage
-from shardkit.storage.lock import local_writer_lock
+from shardkit.storage.lock import is_lock_name, local_writer_lock
 from shardkit.storage.memcopy import buffer_address, copy_bytes
 
 __all__ = ["LocalStorage", "check_regular_file"]
@@ -169,6 +170,9 @@ def _not_regular(path: str, mode: int) -> MissingShardError:
 class LocalStorage(Storage):
     """Plain local files, with fsync and atomic rename."""
 
+    renames_directories = True
+    has_symlinks = True
+
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
 
@@ -195,6 +199,24 @@ class LocalStorage(Storage):
 
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=not os.path.exists(path))
+
+    def clear_directory(self, path: str) -> list[str]:
+        removed = []
+        try:
+            names = sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        for name in names:
+            if is_lock_name(name):   # held by this writer: unlinking it would let a second one in
+                continue
+            entry = os.path.join(path, name)
+            if os.path.isdir(entry) and not os.path.islink(entry):
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry)
+            removed.append(entry)
+        return removed
 
     def modified_time(self, path: str) -> float:
         return os.path.getmtime(path)
