@@ -8,8 +8,8 @@ first call in its own new process, after the same preparation, gives both
 the same start. :func:`first_call_blocked` runs one such child;
 ``python -m shardkit.bench.async_first IMPL SIZE_BYTES DIR SETTLE_S`` is the child.
 
-The child builds the benchmark state (``workload.make_state``), imports its
-implementation, waits ``SETTLE_S`` seconds (the kernel takes back memory freed while
+The child builds the benchmark state (``workload.make_state``), makes its
+checkpointer (shardkit), waits ``SETTLE_S`` seconds (the kernel takes back memory freed while
 building the state, as in a job that has run for a while), then times the
 one call, waits for the save to finish (untimed) and prints the seconds the
 call blocked as JSON. Not timed: the state, the imports, the write.
@@ -27,6 +27,13 @@ import subprocess
 import sys
 import time
 
+import torch.distributed.checkpoint as dcp
+
+from shardkit import knobs
+from shardkit.bench.peers import single_process_dcp
+from shardkit.bench.workload import make_state
+from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata
+
 __all__ = ["IMPLS", "SETTLE_S", "first_call_blocked"]
 
 #: Seconds the child waits after building its state, before the timed call.
@@ -35,6 +42,7 @@ SETTLE_S: float = 2.5
 #: impl name -> what the child calls.
 IMPLS = {
     "shardkit": "AsyncCheckpointer(dir, 0, 1, ...).save_async(state)",
+    "shardkit, knobs.STAGING_PREFAULT=False": "the same, the copies faulting the fresh buffers themselves",
     "torch.distributed.checkpoint.async_save": "dcp.async_save(state, storage_writer=FileSystemWriter(dir, sync_files=True))",
 }
 
@@ -54,9 +62,8 @@ def first_call_blocked(impl: str, size_bytes: int, dir: str, *, settle_s: float 
     return float(json.loads(done.stdout.strip().splitlines()[-1])["blocked_s"])
 
 
-def _shardkit_first(state, dir: str, settle_s: float) -> float:
-    from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata
-
+def _shardkit_first(state, dir: str, settle_s: float, *, prefault: bool = True) -> float:
+    knobs.STAGING_PREFAULT = prefault
     ckpt = AsyncCheckpointer(dir, 0, 1, ShardMetadata(num_ranks=1, tensor_specs={}))
     time.sleep(settle_s)
     start = time.perf_counter()
@@ -68,10 +75,6 @@ def _shardkit_first(state, dir: str, settle_s: float) -> float:
 
 
 def _dcp_first(state, dir: str, settle_s: float) -> float:
-    import torch.distributed.checkpoint as dcp
-
-    from shardkit.bench.peers import single_process_dcp
-
     time.sleep(settle_s)
     with single_process_dcp():
         start = time.perf_counter()
@@ -82,11 +85,11 @@ def _dcp_first(state, dir: str, settle_s: float) -> float:
 
 
 def _child(argv: list[str]) -> None:
-    from shardkit.bench.workload import make_state
-
     impl, size_bytes, dir, settle_s = argv[0], int(argv[1]), argv[2], float(argv[3])
     state = make_state(size_bytes)
-    run = {"shardkit": _shardkit_first, "torch.distributed.checkpoint.async_save": _dcp_first}[impl]
+    run = {"shardkit": _shardkit_first,
+           "shardkit, knobs.STAGING_PREFAULT=False": lambda *a: _shardkit_first(*a, prefault=False),
+           "torch.distributed.checkpoint.async_save": _dcp_first}[impl]
     print(json.dumps({"impl": impl, "blocked_s": run(state, dir, settle_s)}), flush=True)
 
 
