@@ -107,8 +107,10 @@ def test_first_save_snapshot_holds_while_the_caller_mutates(fake_write, small_ba
     ckpt.close()
 
 
-def test_no_batch_is_copied_into_before_its_pages_were_faulted(small_batches, monkeypatch):
-    monkeypatch.setattr(knobs, "IO_THREADS", 3)
+@pytest.mark.parametrize("threads", [2, 4])
+def test_no_batch_is_copied_into_before_its_pages_were_faulted(small_batches, monkeypatch, threads):
+    monkeypatch.setattr(knobs, "IO_THREADS", threads)
+    monkeypatch.setattr(staging.os, "cpu_count", lambda: 4)  # up to 3 helpers, whatever this machine has
     rec = Recorder(monkeypatch)
     staging.stage(_state(), {})
     faulted = []
@@ -117,6 +119,9 @@ def test_no_batch_is_copied_into_before_its_pages_were_faulted(small_batches, mo
             faulted.append((addr, addr + nbytes))
         else:
             assert any(lo <= addr and addr + nbytes <= hi for lo, hi in faulted), "copied before faulted"
+    assert len(faulted) == len(set(faulted))  # several helpers: each batch faulted once
+    copies = [e for e in rec.events if e[0] == "copy"]
+    assert len(faulted) == len(copies)  # every tensor here is fresh and contiguous but "t" (copy_ path)
 
 
 def test_reused_buffers_are_not_faulted_again_and_get_the_new_values(small_batches, monkeypatch):

@@ -8,7 +8,7 @@ tensors go to pinned buffers with non-blocking copies and one synchronize
 per device. It writes no file and issues no collective.
 
 Fresh buffers (a first save, or a leaf whose shape changed) are faulted in
-by one helper job running ahead of the copies, a chunk at a time, with
+by helper jobs (one per core) running ahead of the copies, a chunk at a time, with
 ``storage.prefault.populate_for_write`` (one system call per chunk instead of
 a trap per page), so the copy of chunk ``i`` overlaps the faulting of chunk
 ``i + 1``: on a VM that hands out fresh memory slowly, the page faults are
@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Callable, Iterable, Mapping
 
@@ -79,17 +80,25 @@ def _copy_all(moves: list[tuple[int, int, int, bool]]) -> None:
         copy_bytes(dst, src, nbytes)  # releases the GIL while it copies
 
 
-def _prefault_ahead(jobs: list[list[tuple[int, int, int, bool]]], ready: list[threading.Event]) -> None:
-    """Fault in the fresh destinations of each job in turn, releasing its copy as soon as they are in."""
+def _prefault_ahead(jobs: list[list[tuple[int, int, int, bool]]], ready: list[threading.Event],
+                    first: int = 0, stride: int = 1) -> None:
+    """Fault in the fresh destinations of jobs ``first``, ``first + stride``, ... in turn, releasing each
+    job's copy as soon as its pages are in."""
+    mine = range(first, len(jobs), stride)
     try:
-        for job, event in zip(jobs, ready):
-            for dst, _src, nbytes, fresh in job:
+        for i in mine:
+            for dst, _src, nbytes, fresh in jobs[i]:
                 if fresh:
                     populate_for_write(dst, nbytes)  # False (not available): the copy faults them itself
-            event.set()
+            ready[i].set()
     finally:
-        for event in ready:  # never leave a copy waiting, whatever happened above
-            event.set()
+        for i in mine:  # never leave a copy waiting, whatever happened above
+            ready[i].set()
+
+
+def _prefault_helpers() -> int:
+    """How many jobs fault pages in at once: one per core, leaving at least one I/O thread to copy."""
+    return max(1, min(os.cpu_count() or 1, knobs.IO_THREADS - 1))
 
 
 def _copy_when_ready(job: list[tuple[int, int, int, bool]], ready: threading.Event) -> None:
@@ -128,11 +137,13 @@ def copy_host(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, fresh: Iterable
     (non-contiguous, conj/neg views) uses ``dst.copy_(src)``.
 
     ``fresh``: the destinations among ``pairs`` that were just allocated
-    (never written). With ``knobs.STAGING_PREFAULT`` one extra job faults
-    their pages in, batch by batch in copy order, and each batch's copy waits
-    only for its own batch: faulting runs ahead of the copies instead of
-    inside them (see ``storage.prefault``). It is the first job handed to the
-    pool, so it has started before any copy can wait for it.
+    (never written). With ``knobs.STAGING_PREFAULT`` a few extra jobs (one
+    per core, at most ``knobs.IO_THREADS - 1``) fault their pages in, batch
+    by batch in copy order (helper ``j`` takes batches ``j, j + n, ...``),
+    and each batch's copy waits only for its own batch: faulting runs ahead
+    of the copies instead of inside them (see ``storage.prefault``). They are
+    the first jobs handed to the pool, so they have started before any copy
+    can wait for them.
 
     Why not ``dst.copy_(src)`` for everything: torch's intra-op (OpenMP)
     copy slows down several-fold when other processes compete for the cores
@@ -159,7 +170,8 @@ def copy_host(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, fresh: Iterable
         run_parallel([lambda job=job: _copy_all(job) for job in jobs])
         return
     ready = [threading.Event() for _ in jobs]
-    run_parallel([lambda: _prefault_ahead(jobs, ready)]
+    helpers = _prefault_helpers()
+    run_parallel([lambda first=first: _prefault_ahead(jobs, ready, first, helpers) for first in range(helpers)]
                  + [lambda job=job, event=event: _copy_when_ready(job, event) for job, event in zip(jobs, ready)])
 
 
