@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import sys
@@ -33,8 +32,7 @@ def _load_madvise():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.madvise
+        fn = ctypes.CDLL(None, use_errno=True).madvise  # the process's own symbols: libc's (no ldconfig run)
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
