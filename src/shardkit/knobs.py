@@ -80,6 +80,11 @@ IO_THREADS: int = 4
 STREAM_COPY: bool = True
 STREAM_COPY_MIN_BYTES: int = 1024 * 1024
 
+#: Staging into new buffers (a first ``save_async``) faults their pages in
+#: with ``madvise(MADV_POPULATE_WRITE)`` on a helper job running ahead of the
+#: copies (see ``shardkit.storage.prefault``); False leaves the faults to the copies.
+STAGING_PREFAULT: bool = True
+
 #: Local reads of at least this many bytes copy from a read-only map of the
 #: file (non-temporal copies; see ``storage.local._LocalReader``) instead of
 #: ``preadv``. ``MMAP_READS = False`` reads everything with ``preadv``.

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 
 import torch
 
 from shardkit.bench import peers
+from shardkit.bench.async_first import IMPLS as FIRST_CALL_IMPLS, first_call_blocked
 from shardkit.bench.common import row, time_interleaved
 from shardkit.bench.workload import make_state, state_bytes
 from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, load_distributed, save_distributed
@@ -143,16 +145,46 @@ def bench_load_into(state, workdir: str, reps: int) -> list[dict]:
     }, workdir, reps, state_bytes(state))
 
 
-def bench_async(state, workdir: str, reps: int) -> list[dict]:
-    """Time the caller is blocked by one save, all impls interleaved.
+def bench_async(state, workdir: str, reps: int, size_bytes: int | None = None) -> list[dict]:
+    """Time the caller is blocked by a background save: the first call, and the steady state.
 
-    ``shardkit`` is the steady state of a training loop: its staging buffers
-    were allocated by ``prepare()`` (untimed) and every save reuses them.
-    ``shardkit, first save`` is a fresh checkpointer per rep, which pays for
-    allocating (and first-touching) its buffers inside ``save_async``. Before
-    each timed call the previous background save is waited for and the disk
-    synced (untimed), so no save runs behind another's measurement.
+    ``async first call``: each implementation's first call in a process of
+    its own (``bench.async_first``: same state, same preparation, the
+    staging memory whatever a fresh process gets), shardkit's
+    ``save_async`` and ``dcp.async_save`` alternating, one child per run.
+    ``size_bytes`` is the size the state was made for (the children rebuild
+    it); None skips this case.
+
+    ``async steady: caller blocked``: ``shardkit`` is a training loop's
+    steady state: its staging buffers were allocated by ``prepare()``
+    (untimed) and every save reuses them; beside it a synchronous
+    ``save_distributed`` of the same state, ``dcp.async_save`` called again
+    in this process (it stages into new memory each call) and one copy of
+    the state into allocated memory. Before each timed call the previous
+    background save is waited for and the disk synced (untimed), so no save
+    runs behind another's measurement; all interleaved.
     """
+    rows = []
+    if size_bytes is not None:
+        rows += _bench_async_first(size_bytes, workdir, reps)
+    return rows + _bench_async_steady(state, workdir, reps)
+
+
+def _bench_async_first(size_bytes: int, workdir: str, reps: int) -> list[dict]:
+    path = os.path.join(workdir, "async-first")
+    times: dict[str, list[float]] = {impl: [] for impl in FIRST_CALL_IMPLS}
+    for rep in range(max(1, reps)):
+        for impl in (list(FIRST_CALL_IMPLS)[::-1] if rep % 2 else list(FIRST_CALL_IMPLS)):
+            shutil.rmtree(path, ignore_errors=True)
+            os.sync()
+            times[impl].append(first_call_blocked(impl, size_bytes, path))
+    shutil.rmtree(path, ignore_errors=True)
+    return [row("async first call: caller blocked", impl,
+                {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)}, bytes=size_bytes)
+            for impl, ts in times.items()]
+
+
+def _bench_async_steady(state, workdir: str, reps: int) -> list[dict]:
     import torch.distributed.checkpoint as dcp
 
     path = os.path.join(workdir, "async")
@@ -162,29 +194,20 @@ def bench_async(state, workdir: str, reps: int) -> list[dict]:
     peers.copy_once(state, copy_into)  # first touch, untimed
     pending = []
 
-    def first_save():
-        checkpointer = AsyncCheckpointer(path, 0, 1, SINGLE)
-        pending.append(checkpointer.save_async(state))
-        pending.append(checkpointer)  # closed (buffers freed) by drain(), untimed
-
     def dcp_async_save():
         with peers.single_process_dcp():
             pending.append(dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True)))
 
     impls = {
         "shardkit": lambda: pending.append(steady.save_async(state)),
-        "shardkit, first save (allocates its buffers)": first_save,
-        "torch.distributed.checkpoint.async_save": dcp_async_save,
         "shardkit save_distributed (sync)": lambda: save_distributed(state, path, 0, 1, SINGLE),
+        "torch.distributed.checkpoint.async_save, again": dcp_async_save,
         "copy the state once into allocated memory (limit)": lambda: peers.copy_once(state, copy_into),
     }
 
     def drain(_name=None):
         for item in pending:
-            if isinstance(item, AsyncCheckpointer):
-                item.close()
-            else:
-                (item.wait() if hasattr(item, "wait") else item.result())
+            (item.wait() if hasattr(item, "wait") else item.result())
         pending.clear()
         shutil.rmtree(path, ignore_errors=True)
         os.sync()
@@ -192,7 +215,8 @@ def bench_async(state, workdir: str, reps: int) -> list[dict]:
     timings = time_interleaved(impls, reps, drain)
     drain()
     steady.close()
-    return [row("async save: caller blocked", impl, timing, kind="limit" if "limit" in impl else "peer")
+    return [row("async steady: caller blocked", impl, timing, kind="limit" if "limit" in impl else "peer",
+                bytes=state_bytes(state))
             for impl, timing in timings.items()]
 
 
@@ -206,5 +230,5 @@ def run_checkpoint_benchmarks(size_bytes: int, reps: int, workdir: str, cases=("
         rows += bench_load_into(state, workdir, reps)
         rows += bench_verify(state, workdir, reps)
     if "async" in cases:
-        rows += bench_async(state, workdir, reps)
+        rows += bench_async(state, workdir, reps, size_bytes)
     return rows

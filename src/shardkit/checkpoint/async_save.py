@@ -32,7 +32,9 @@ Staging buffers are kept between saves and reused when a leaf's shape,
 dtype and device kind are unchanged, so the second and later saves skip the
 allocation (for CUDA, the slow pinned allocation). That costs one CPU copy
 of the state for the checkpointer's lifetime; ``reuse_buffers=False`` or
-:meth:`AsyncCheckpointer.close` gives it back.
+:meth:`AsyncCheckpointer.close` gives it back. The first save faults its new
+host buffers in on a helper job running ahead of the copy (see
+``checkpoint.staging``); ``prepare()`` moves even that out of the first save.
 
 Groups. With ``group=None`` no collective is issued (the seed's behaviour;
 rank 0 of 1 in a single process). With a group, the background thread runs

@@ -1,0 +1,70 @@
+"""Fault in fresh host memory ahead of a copy, in bulk, with one call to the kernel.
+
+Freshly allocated memory costs a page fault per 4 KiB page the first time it
+is written; on a virtual machine whose host backs guest memory lazily that
+first touch is the larger part of copying into new memory (about 0.5 s/GiB
+measured on the 2-core benchmark VM, against about 0.1 s/GiB for the copy).
+``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14) faults a whole range in one
+system call, without a trap per page: about 1.6x cheaper per byte there.
+Where the kernel or the platform lacks it, :func:`populate_for_write`
+returns False and the copy faults the pages as before. This module touches
+no byte of the memory's content and knows no tensors.
+
+Example::
+
+    populate_for_write(dst.data_ptr(), dst.nbytes)   # then copy into dst
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import sys
+
+__all__ = ["populate_for_write", "PAGE_BYTES"]
+
+PAGE_BYTES: int = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = 23  # linux/mman.h; not in Python's mmap module before 3.13
+
+
+def _load_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise  # the process's own symbols: libc's (no ldconfig run)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn  # a ctypes call: releases the GIL while the kernel faults the pages
+
+
+_madvise = _load_madvise()
+_supported = _madvise is not None
+
+
+def populate_for_write(addr: int, nbytes: int) -> bool:
+    """Fault in, writable, every whole page inside ``[addr, addr + nbytes)``; True if the kernel did.
+
+    Only pages lying wholly inside the range are touched (the range is
+    rounded inwards to page boundaries), so memory next to a small buffer is
+    left alone; a range holding no whole page returns False at once.
+    Content is not changed: pages already present stay as they are. A kernel
+    without ``MADV_POPULATE_WRITE`` (``EINVAL``) turns the call off for the
+    rest of the process; any other failure (e.g. ``ENOMEM``) returns False
+    and the caller's own writes fault the pages, as without this function.
+    """
+    global _supported
+    if not _supported or nbytes <= 0:
+        return False
+    start = (addr + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
+    end = (addr + nbytes) // PAGE_BYTES * PAGE_BYTES
+    if end <= start:
+        return False
+    if _madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
+        return True
+    if ctypes.get_errno() == errno.EINVAL:  # the range is aligned: this kernel does not know the advice
+        _supported = False
+    return False
+
