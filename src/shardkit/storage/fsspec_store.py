@@ -235,7 +235,7 @@ class _S3MultipartWriter:
         in_flight = max(1, knobs.OBJECT_PARTS_IN_FLIGHT)
         while sum(not f.done() for f in self._parts) >= in_flight:
             next(f for f in self._parts if not f.done()).result()
-        body, self._buf = bytes(self._buf), bytearray()
+        body, self._buf = self._buf, bytearray()  # handed over whole: the part is sent without another copy
         number = len(self._parts) + 1
         self._parts.append(self._pool.submit(self._upload_part, number, body))
 
@@ -246,7 +246,7 @@ class _S3MultipartWriter:
 
     def commit(self) -> None:
         if self._upload_id is None:  # small: one PUT publishes it whole
-            self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._buf))
+            self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=self._buf)
             self._buf = bytearray()
         else:
             if self._buf:
