@@ -1,6 +1,8 @@
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from shardkit.storage import BufferReader
 from shardkit.storage import BlockHasher
@@ -178,3 +180,37 @@ def test_a_remote_verified_read_fetches_only_what_it_wants_and_verifies_whole_bl
     corrupt[130] ^= 0xFF                               # inside block 2, which the second read covers whole
     with pytest.raises(ChecksumError):
         read_ranges(_CountingRemoteReader(bytes(corrupt)), [(128, memoryview(bytearray(block * 2)))], record)
+
+
+class _GatherCountingRemoteReader(_CountingRemoteReader):
+    """Also counts requests: each gather read (one contiguous range) is one, as on an object store."""
+
+    def __init__(self, data: bytes):
+        super().__init__(data)
+        self.requests = 0
+
+    def read_into_views(self, offset, views):
+        self.requests += 1
+        for view in views:
+            super().read_into(offset, view)
+            offset += len(view)
+
+    def read_into(self, offset, out):
+        self.requests += 1
+        super().read_into(offset, out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(1, 511), max_size=12, unique=True), gaps=st.lists(st.booleans(), min_size=13, max_size=13),
+       verified=st.booleans())
+def test_remote_reads_of_adjacent_buffers_are_gathered_and_fetch_only_what_is_wanted(cuts, gaps, verified):
+    block = 64
+    data = bytes(range(256)) * 2
+    bounds = [0, *sorted(cuts), len(data)]
+    wanted = [(lo, memoryview(bytearray(hi - lo))) for (lo, hi), skip in zip(zip(bounds, bounds[1:]), gaps) if not skip]
+    reader = _GatherCountingRemoteReader(data)
+    read_ranges(reader, wanted, _record_of(data, block) if verified else None)
+    assert all(bytes(buf) == data[lo:lo + len(buf)] for lo, buf in wanted)
+    assert reader.read_bytes == sum(len(buf) for _, buf in wanted)    # never a byte nobody asked for
+    if not any(gaps[:len(bounds) - 1]):                               # the reads tile the file
+        assert reader.requests == (len(data) // block if verified else 1)

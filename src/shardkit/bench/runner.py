@@ -14,10 +14,10 @@ import sys
 import tempfile
 import traceback
 
-SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", "scale")
+SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", "scale", "s3")
 #: What runs without ``--only``: ``offline`` (the CLI tools against DCP, two extra source checkpoints and
-#: rank processes) and ``scale`` (8/32/64 thread ranks, tiny tensors; ``--size`` does not apply) run only
-#: when asked for.
+#: rank processes), ``scale`` (8/32/64 thread ranks, tiny tensors; ``--size`` does not apply) and ``s3``
+#: (a SeaweedFS server on loopback; needs the ``weed`` binary of requirements-dev.txt) run only when asked for.
 DEFAULT_SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 
 
@@ -27,6 +27,11 @@ def _parse_size(text: str) -> int:
     if text and text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
+
+
+#: The state size when ``--size`` is not given, per suite (the others: ``DEFAULT_SIZE``).
+DEFAULT_SIZE = "1GiB"
+SUITE_DEFAULT_SIZES = {"s3": "512MiB"}
 
 
 def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
@@ -50,6 +55,10 @@ def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
         from shardkit.bench.scale_bench import run_scale_benchmarks
 
         return run_scale_benchmarks(workdir)
+    if name == "s3":
+        from shardkit.bench.s3_bench import run_s3_benchmarks
+
+        return run_s3_benchmarks(size, reps, workdir)
     if name == "ddp":
         from shardkit.bench.ddp_bench import run_ddp_benchmarks
 
@@ -61,7 +70,8 @@ def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark options, shared by ``shardkit bench`` and ``python -m shardkit.bench``."""
-    parser.add_argument("--size", default="1GiB", help="state size, e.g. 64MiB, 2GiB (default 1GiB)")
+    parser.add_argument("--size", default=None,
+                        help=f"state size, e.g. 64MiB, 2GiB (default {DEFAULT_SIZE}; s3: {SUITE_DEFAULT_SIZES['s3']})")
     parser.add_argument("--reps", type=int, default=3, help="repetitions per figure (default 3, min 1)")
     parser.add_argument("--only", default=",".join(DEFAULT_SUITES), help=f"comma-separated subset of {','.join(SUITES)}")
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
@@ -83,7 +93,7 @@ def run(args: argparse.Namespace, error=None) -> int:
     """Run the suites ``args`` names (``args`` as :func:`add_arguments` defines them)."""
     from shardkit.bench.common import format_table, write_json
 
-    size = _parse_size(args.size)
+    size = _parse_size(args.size or DEFAULT_SIZE)
     suites = [s for s in args.only.split(",") if s]
     unknown = set(suites) - set(SUITES)
     if unknown:
@@ -100,7 +110,8 @@ def run(args: argparse.Namespace, error=None) -> int:
         for suite in suites:
             print(f"running {suite} ...", file=sys.stderr, flush=True)
             try:
-                suite_rows = _run_suite(suite, size, args.reps, workdir)
+                suite_size = size if args.size else _parse_size(SUITE_DEFAULT_SIZES.get(suite, DEFAULT_SIZE))
+                suite_rows = _run_suite(suite, suite_size, args.reps, workdir)
             except Exception:  # noqa: BLE001 - one broken suite must not cost the others' figures
                 traceback.print_exc()
                 print(f"suite {suite} failed; going on with the others", file=sys.stderr, flush=True)
@@ -110,7 +121,9 @@ def run(args: argparse.Namespace, error=None) -> int:
             print(format_table(suite_rows), file=sys.stderr, flush=True)  # progress, kept if a later suite dies
             if args.json_path:
                 write_json(rows, args.json_path, **context, failed_suites=failed)
-    print(f"shardkit benchmarks — state {args.size}, {args.reps} reps, {os.cpu_count()} CPUs, "
+    own = [f"{s}: {SUITE_DEFAULT_SIZES[s]}" for s in suites if s in SUITE_DEFAULT_SIZES]
+    sizes = args.size or DEFAULT_SIZE + (f" ({', '.join(own)})" if own else "")
+    print(f"shardkit benchmarks — state {sizes}, {args.reps} reps, {os.cpu_count()} CPUs, "
           f"{platform.machine()}, staging copies: {copy_kind()}")
     print(format_table(rows))
     if failed:

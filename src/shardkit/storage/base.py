@@ -41,6 +41,19 @@ class Reader:
     def read_into(self, offset: int, out: memoryview) -> None:
         raise NotImplementedError
 
+    def read_into_views(self, offset: int, views: list[memoryview]) -> None:
+        """Fill ``views`` one after the other from the file's bytes at ``offset`` (a gather read).
+
+        The views tile one contiguous range of the file: the first gets the
+        bytes at ``offset``, the next those right after it, and so on. Object
+        stores fetch the whole range in as few requests as their part size
+        allows (``fsspec_store``); the default reads each view on its own.
+        Example: ``reader.read_into_views(0, [byte_view(a), byte_view(b)])``.
+        """
+        for view in views:
+            self.read_into(offset, view)
+            offset += view.nbytes
+
     def read_into_hashed(self, offset: int, out: memoryview, hasher) -> None:
         """Fill ``out`` from ``offset`` like :meth:`read_into`, feeding the same bytes to ``hasher`` (``.update``).
 

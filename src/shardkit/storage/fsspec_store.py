@@ -11,8 +11,10 @@ fsspec stores (``memory://``, sftp, ...) are written under
 ``storage.temp_name`` and moved to the final name.
 
 Reads fetch exactly the byte ranges asked for (ranged GETs, split into
-``knobs.OBJECT_PART_BYTES`` parts fetched concurrently), never a whole
-object or a read-ahead block: :func:`fetched_bytes` counts them.
+``knobs.OBJECT_PART_BYTES`` parts fetched concurrently; adjacent buffers
+of a gather read are one range), never a whole object or a read-ahead
+block: :func:`fetched_bytes` counts them. On S3 the bodies stream straight
+into the caller's buffers.
 
 Configuration (endpoint, credentials) is fsspec's own: ``fsspec.config.conf``
 or ``FSSPEC_S3_ENDPOINT_URL``-style environment variables, or botocore's
@@ -63,10 +65,32 @@ def _count_fetched(n: int) -> None:
         _fetched[0] += n
 
 
+def _parts(offset: int, views: list[memoryview], part_bytes: int) -> list[tuple[int, list[memoryview]]]:
+    """Cut the range the (byte) ``views`` tile from ``offset`` into parts of ``part_bytes``: ``(start, views)`` each."""
+    parts: list[tuple[int, list[memoryview]]] = []
+    current: list[memoryview] = []
+    start = filled = offset
+    for view in views:
+        taken = 0
+        while taken < len(view):
+            piece = view[taken : taken + part_bytes - (filled - start)]
+            current.append(piece)
+            taken += len(piece)
+            filled += len(piece)
+            if filled - start == part_bytes:
+                parts.append((start, current))
+                current, start = [], filled
+    if current:
+        parts.append((start, current))
+    return parts
+
+
 class _RangeReader(Reader):
     """Ranged reads of one object; large reads are split into parts fetched concurrently.
 
     Thread-safe: no shared file position, each read is its own request(s).
+    A gather read (:meth:`read_into_views`) of adjacent buffers is one range:
+    one request per ``knobs.OBJECT_PART_BYTES``, however many buffers.
     """
 
     def __init__(self, name: str, fs, key: str, size_bytes: int):
@@ -74,29 +98,96 @@ class _RangeReader(Reader):
         self._fs, self._key = fs, key
 
     def read_into(self, offset: int, out: memoryview) -> None:
-        out = out.cast("B") if out.format != "B" else out
-        wanted = len(out)
+        self.read_into_views(offset, [out])
+
+    def read_into_views(self, offset: int, views: list[memoryview]) -> None:
+        views = [v.cast("B") if v.format != "B" else v for v in views if v.nbytes]
+        wanted = sum(len(v) for v in views)
         if wanted == 0:
             return
         if offset + wanted > self.size_bytes:
             raise self._short(offset, wanted, max(0, self.size_bytes - offset))
-        part = max(1, knobs.OBJECT_PART_BYTES)
-        starts = list(range(offset, offset + wanted, part))
-        ends = [min(s + part, offset + wanted) for s in starts]
-        if len(starts) == 1:
-            pieces = [self._fs.cat_file(self._key, start=starts[0], end=ends[0])]
+        parts = _parts(offset, views, max(1, knobs.OBJECT_PART_BYTES))
+        got = self._fetch(parts)
+        if got != wanted:
+            raise self._short(offset, wanted, got)
+        _count_fetched(got)
+
+    def _fetch(self, parts: list[tuple[int, list[memoryview]]]) -> int:
+        """Fill every part's views from the object; the bytes received (short if it ended early)."""
+        ends = [start + sum(len(v) for v in views) for start, views in parts]
+        if len(parts) == 1:
+            pieces = [self._fs.cat_file(self._key, start=parts[0][0], end=ends[0])]
         else:
-            pieces = self._fs.cat_ranges([self._key] * len(starts), starts, ends, on_error="raise")
-        done = 0
-        for start, end, piece in zip(starts, ends, pieces):
+            pieces = self._fs.cat_ranges([self._key] * len(parts), [p[0] for p in parts], ends, on_error="raise")
+        got = 0
+        for (_, views), piece in zip(parts, pieces):
             if isinstance(piece, BaseException):
                 raise piece
-            got = len(piece)
-            out[start - offset : start - offset + got] = piece
-            done += got
-            if got != end - start:
-                raise self._short(offset, wanted, done)
-        _count_fetched(done)
+            piece = memoryview(piece).cast("B")
+            position = 0
+            for view in views:
+                n = min(len(view), len(piece) - position)
+                view[:n] = piece[position : position + n]
+                position += n
+            got += position
+            if position != sum(len(v) for v in views):
+                break
+        return got
+
+
+class _S3RangeReader(_RangeReader):
+    """An S3 object's ranged GETs streamed straight into the caller's buffers.
+
+    Each response body is copied chunk by chunk into the views as it
+    arrives, on fsspec's event loop: no whole-range ``bytes`` is built and
+    copied again. Up to ``knobs.OBJECT_PARTS_IN_FLIGHT`` parts of one read
+    are fetched at once.
+    """
+
+    def __init__(self, name: str, fs, key: str, size_bytes: int):
+        super().__init__(name, fs, key, size_bytes)
+        self._bucket, self._object_key, _ = fs.split_path(key)
+
+    def _fetch(self, parts: list[tuple[int, list[memoryview]]]) -> int:
+        from fsspec.asyn import sync
+
+        return sync(self._fs.loop, self._fetch_all, parts)
+
+    async def _fetch_all(self, parts: list[tuple[int, list[memoryview]]]) -> int:
+        import asyncio
+
+        gate = asyncio.Semaphore(max(1, knobs.OBJECT_PARTS_IN_FLIGHT))
+
+        async def one(start: int, views: list[memoryview]) -> int:
+            async with gate:
+                return await self._get_into(start, views)
+
+        # Every part is waited for, so none still writes into a buffer after a failure is raised.
+        results = await asyncio.gather(*(one(start, views) for start, views in parts), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return sum(results)
+
+    async def _get_into(self, start: int, views: list[memoryview]) -> int:
+        stop = start + sum(len(v) for v in views)
+        resp = await self._fs._call_s3("get_object", Bucket=self._bucket, Key=self._object_key,
+                                       Range=f"bytes={start}-{stop - 1}")
+        body, got = resp["Body"], 0
+        try:
+            for view in views:
+                filled = 0
+                while filled < len(view):
+                    chunk = await body.read(len(view) - filled)
+                    if not chunk:
+                        return got + filled
+                    view[filled : filled + len(chunk)] = chunk
+                    filled += len(chunk)
+                got += filled
+        finally:
+            body.close()
+        return got
 
 
 class _S3MultipartWriter:
@@ -144,7 +235,7 @@ class _S3MultipartWriter:
         in_flight = max(1, knobs.OBJECT_PARTS_IN_FLIGHT)
         while sum(not f.done() for f in self._parts) >= in_flight:
             next(f for f in self._parts if not f.done()).result()
-        body, self._buf = bytes(self._buf), bytearray()
+        body, self._buf = self._buf, bytearray()  # handed over whole: the part is sent without another copy
         number = len(self._parts) + 1
         self._parts.append(self._pool.submit(self._upload_part, number, body))
 
@@ -155,7 +246,7 @@ class _S3MultipartWriter:
 
     def commit(self) -> None:
         if self._upload_id is None:  # small: one PUT publishes it whole
-            self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._buf))
+            self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=self._buf)
             self._buf = bytearray()
         else:
             if self._buf:
@@ -276,7 +367,7 @@ class FsspecStorage(Storage):
             size = int(self.fs.size(stripped))
         except FileNotFoundError as e:
             raise MissingShardError(f"{path} does not exist") from e
-        return _RangeReader(path, self.fs, stripped, size)
+        return (_S3RangeReader if self._protocol in _S3 else _RangeReader)(path, self.fs, stripped, size)
 
     def writer_lock(self, directory: str, *, slot: int = 0, holder: str = ""):
         # No advisory locks on object stores, and a marker object would stay behind a

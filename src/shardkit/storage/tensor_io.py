@@ -56,8 +56,12 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
     """
     reads = [(offset, buf.cast("B") if buf.format != "B" else buf) for offset, buf in reads if len(buf)]
     if record is None:
-        for offset, buf in reads:
-            _read_chunked(reader, offset, buf)
+        if reader.extra_reads_are_cheap:
+            for offset, buf in reads:
+                _read_chunked(reader, offset, buf)
+        else:  # each run of adjacent reads is one gather read: one request per part, not per tensor
+            for offset, views in _runs(sorted(reads, key=lambda r: r[0])):
+                reader.read_into_views(offset, views)
         return
     _check_size(reader, record)
     reads.sort(key=lambda r: r[0])
@@ -89,10 +93,35 @@ def _covered(active: list[tuple[int, memoryview]], start: int, stop: int) -> boo
 
 
 def _read_unverified(reader: Reader, start: int, stop: int, active: list[tuple[int, memoryview]]) -> None:
+    for lo, views in _runs(_clipped(active, start, stop)):
+        reader.read_into_views(lo, views)
+
+
+def _clipped(active: list[tuple[int, memoryview]], start: int, stop: int) -> list[tuple[int, memoryview]]:
+    """The parts of the (offset-sorted) reads that fall in ``[start, stop)``, as ``(file_offset, view)``."""
+    out = []
     for offset, buf in active:
         lo, hi = max(start, offset), min(stop, offset + len(buf))
         if lo < hi:
-            reader.read_into(lo, buf[lo - offset:hi - offset])
+            out.append((lo, buf[lo - offset:hi - offset]))
+    return out
+
+
+def _runs(pieces: list[tuple[int, memoryview]]) -> list[tuple[int, list[memoryview]]]:
+    """Offset-sorted ``(file_offset, view)`` pieces grouped into runs that each tile one contiguous range.
+
+    A piece that starts where the previous one ended joins its run; any gap or
+    overlap starts a new run (a gap is never read, an overlap is read twice).
+    """
+    runs: list[tuple[int, list[memoryview]]] = []
+    end = None
+    for offset, view in pieces:
+        if offset == end:
+            runs[-1][1].append(view)
+        else:
+            runs.append((offset, [view]))
+        end = offset + len(view)
+    return runs
 
 
 def _touched_blocks(reads: list[tuple[int, memoryview]], block_bytes: int):
@@ -130,6 +159,16 @@ def _read_block(reader: Reader, record: FileRecord, block: int, start: int, stop
     local files). Bytes two reads both want are hashed once.
     """
     hasher = xxhash.xxh3_64()
+    if not reader.extra_reads_are_cheap:
+        runs = _runs(_clipped(sorted(active, key=lambda r: r[0]), start, stop))
+        if len(runs) == 1 and runs[0][0] == start and sum(len(v) for v in runs[0][1]) == stop - start:
+            # The reads tile the block: one gather read (a request per part, not per tensor), then
+            # the hash over the bytes just received (a download costs far more than this second pass).
+            reader.read_into_views(start, runs[0][1])
+            for view in runs[0][1]:
+                hasher.update(view)
+            record.verify_digest(block, hasher.hexdigest(), stop - start, file_name=reader.name)
+            return
     position = start
     for offset, buf in sorted(active, key=lambda r: r[0]):
         lo, hi = max(start, offset), min(stop, offset + len(buf))
