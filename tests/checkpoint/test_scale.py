@@ -3,10 +3,11 @@
 Every rank saves ``tensors`` sharded tiny tensors (``rank_state``: each is a
 ``(ranks, 4)`` tensor with one chunk per rank, the layout FSDP gives) and
 ``tensors`` replicated ones. Rank 0 must issue a constant number of
-collectives per save, whatever ranks and tensors are, and receive bytes
-linear in ranks x tensors (no more than the metadata it writes, which holds
-ranks x tensors chunk records). No timing is asserted; the benchmark
-(``shardkit bench --only scale``) reports the times.
+collectives per save, whatever ranks and tensors are, and receive O(ranks +
+tensors) bytes: every rank sends a digest of the layout and its file record,
+never a box or a byte range per tensor (``metadata.json``, which lists
+ranks x tensors chunks, is computed by rank 0). No timing is asserted; the
+benchmark (``shardkit bench --only scale``) reports the times.
 """
 
 from __future__ import annotations
@@ -35,21 +36,34 @@ def test_rank0_issues_a_constant_number_of_collectives(rows, ranks, tensors):
     assert row["rank0_exchanges"] == COLLECTIVES_PER_SAVE // 2
 
 
+#: What one rank sends rank 0 per save on the agreed path (4 exchanges: lengths, statuses with a
+#: layout digest, a file record, errors), measured ~350 bytes; the bound leaves room, and allows a
+#: little per tensor although nothing per tensor is sent.
+BYTES_PER_RANK = 600
+BYTES_PER_TENSOR = 8
+
+
 @pytest.mark.parametrize("ranks,tensors", [(8, 4), (8, 16), (32, 4)])
-def test_rank0_receives_bytes_linear_in_ranks_times_tensors(rows, ranks, tensors):
+def test_rank0_receives_bytes_linear_in_ranks_plus_tensors(rows, ranks, tensors):
     row = rows[(ranks, tensors)]
-    # Every rank reports a box per tensor (~60 bytes of JSON each): c * ranks * (2 * tensors) plus a
-    # per-rank constant (its file record and status).
-    assert row["rank0_recv_bytes"] <= 100 * ranks * (2 * tensors) + 1000 * ranks
-    # Rank 0 receives no more than the metadata.json it writes (ranks x tensors chunk records).
+    assert row["rank0_recv_bytes"] <= BYTES_PER_RANK * ranks + BYTES_PER_TENSOR * (2 * tensors)
+    # Rank 0 receives less than the metadata.json it writes (ranks x tensors chunk records).
     assert row["rank0_recv_bytes"] <= row["metadata_bytes"]
 
 
-def test_growth_is_no_worse_than_linear(rows):
+def test_rank0_receives_the_same_bytes_per_rank_whatever_the_tensors(rows):
+    per_rank = [row["rank0_recv_bytes"] / (r - 1) for (r, _), row in rows.items()]
+    assert max(per_rank) <= 1.1 * min(per_rank), per_rank
+    # Four times the tensors on 8 ranks: (almost) the same bytes.
+    assert growth_exponent([4, 16], [rows[(8, 4)]["rank0_recv_bytes"], rows[(8, 16)]["rank0_recv_bytes"]]) <= 0.1
+
+
+def test_growth_against_ranks_times_tensors(rows):
     xs = [r * t for r, t in rows]
-    for column in ("rank0_recv_bytes", "metadata_bytes"):
-        # Slope of log(column) on log(ranks x tensors): 1 is linear; allow slack for constant terms.
-        assert growth_exponent(xs, [row[column] for row in rows.values()]) <= 1.15, column
+    # Slope of log(column) on log(ranks x tensors): 1 is linear. metadata.json lists every chunk (linear);
+    # rank 0's traffic grows with ranks only, so over these rows its slope is far below 1 (~0.55).
+    assert growth_exponent(xs, [row["metadata_bytes"] for row in rows.values()]) <= 1.15
+    assert growth_exponent(xs, [row["rank0_recv_bytes"] for row in rows.values()]) <= 0.75
 
 
 def test_metadata_holds_one_chunk_per_rank_per_sharded_tensor(tmp_path):

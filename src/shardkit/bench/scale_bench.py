@@ -13,7 +13,13 @@ How it measures (``shardkit bench --only scale`` or ``python -m shardkit.bench.s
   ``checkpoint.group.EXCHANGE_OBSERVERS`` during the save;
 - "save wall" is the whole collective save (all ranks share the GIL, so it sums
   every rank's work); "rank0 save cpu" is rank 0's own thread CPU time (what one
-  rank pays on a real cluster); "load" is one rank's ``load`` (it issues no
+  rank pays on a real cluster); "ranks save cpu" the sum over every rank's
+  thread; "exchanges wall" the wall time of a save's 4 exchanges alone (tiny
+  statuses, 8 all-gathers on the same thread ranks): the floor the
+  collectives set. An all-gather hands every rank every other rank's
+  payload, so on N threads it costs about N x N message hand-offs: the
+  thread-rank save wall grows faster than linearly in N even where each
+  rank's own work is linear; "load" is one rank's ``load`` (it issues no
   collective), run alone, the faster of ranks 0 and ranks-1;
 - the growth exponent of each column is the slope of a least-squares line of
   log(column) against log(ranks x tensors): 1 is linear, 2 quadratic.
@@ -38,8 +44,8 @@ import time
 
 DEFAULT_RANKS = (8, 32, 64)
 DEFAULT_TENSORS = 32
-COLUMNS = ("metadata_bytes", "save_wall_s", "rank0_save_cpu_s", "load_s", "rank0_recv_bytes",
-           "rank0_collectives")
+COLUMNS = ("metadata_bytes", "save_wall_s", "rank0_save_cpu_s", "ranks_save_cpu_s", "exchanges_wall_s", "load_s",
+           "rank0_recv_bytes", "rank0_collectives")
 
 
 def _states(rank: int, tensors: int):
@@ -101,7 +107,21 @@ def save_counted(groups, tensors: int, directory: str, join_timeout_s: float = 3
     finally:
         EXCHANGE_OBSERVERS.remove(observe)
     counted["rank0_save_cpu_s"] = cpu[0]
+    counted["ranks_save_cpu_s"] = sum(cpu)
     return counted
+
+
+def exchanges_only(groups, join_timeout_s: float = 300.0) -> float:
+    """Wall seconds of a save's 4 exchanges of a tiny status on every group of ``groups``."""
+    from shardkit.checkpoint.group import exchange
+
+    def one(g):
+        for step in ("layouts", "withdraw", "write", "commit"):
+            exchange(g, {"error": None}, step)
+
+    start = time.perf_counter()
+    _on_threads(groups, one, join_timeout_s)
+    return time.perf_counter() - start
 
 
 def load_one(group, tensors: int, directory: str) -> float:
@@ -139,6 +159,7 @@ def measure(ranks: int, tensors: int, workdir: str) -> dict:
     groups = Group.local(ranks)
     try:
         row = {"ranks": ranks, "tensors": tensors, **save_counted(groups, tensors, directory)}
+        row["exchanges_wall_s"] = exchanges_only(groups)
         row["load_s"] = min(load_one(g, tensors, directory) for g in (groups[0], groups[-1]))
     finally:
         close_all(groups)

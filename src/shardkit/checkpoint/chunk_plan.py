@@ -26,7 +26,7 @@ from shardkit.checkpoint.chunks import Chunk, check_cover
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box
 
-__all__ = ["BoxReport", "ChunkedTensor", "ChunkPlan", "plan_chunks"]
+__all__ = ["BoxReport", "ChunkedTensor", "ChunkPlan", "plan_chunks", "check_tiling"]
 
 #: (global shape, dtype name, offsets, sizes) of the box one rank holds of one tensor.
 BoxReport = tuple[tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]
@@ -57,7 +57,7 @@ def plan_chunks(reports: Sequence[dict[str, BoxReport]], itemsize_of: Callable[[
             box = Box(tuple(report[name][2]), tuple(report[name][3]))
             if math.prod(box.sizes):
                 boxes.setdefault(box, []).append(rank)
-        _check_cover(name, shape, boxes)
+        check_tiling(name, shape, boxes)
         holders[name] = boxes
         tensors[name] = (shape, dtype)
     box_to_writer = _spread(holders, {n: itemsize_of(d) for n, (_, d) in tensors.items()}, len(reports))
@@ -91,7 +91,8 @@ def _agreed_shape(reports, name: str) -> tuple[tuple[int, ...], str]:
     return shape, dtype
 
 
-def _check_cover(name: str, shape, boxes: dict[Box, list[int]]) -> None:
+def check_tiling(name: str, shape, boxes) -> None:
+    """Raise :class:`TensorMismatchError` unless the distinct ``boxes`` (keys) tile tensor ``name`` exactly."""
     chunks = [Chunk(f"box{i}", b.offsets, b.sizes, 0, 0) for i, b in enumerate(boxes)]
     try:
         check_cover(name, shape, chunks, source="the ranks' states")

@@ -2,17 +2,29 @@
 
 Steps (FORMAT.md invariants 1-3, as ``save_distributed``):
 
-1. :func:`prepare`: flatten the state, find each tensor's box (``dtensor_layout``),
-   exchange the boxes (one small JSON all-gather) and plan who writes which
-   distinct box once (``chunk_plan``). Every rank fails together on a bad state.
+1. :func:`prepare`: flatten the state, find each tensor's box
+   (``dtensor_layout``) and describe the layout compactly
+   (``compact_layout``: per tensor its shape, dtype and plain / row / mesh
+   layout, equal on every rank). The ranks exchange O(1) facts each: the
+   description's digest, their global rank (hence their mesh coordinates),
+   whether their own boxes are the predicted ones, any error, and their
+   ``rank_state`` plain leaves. When all agree, each rank computes what it
+   writes itself (``writer_choice``); otherwise a second exchange gathers
+   every rank's boxes and ``chunk_plan`` plans from them (its errors name the
+   rank that differs). Every rank fails together on a bad state.
 2. :func:`write_and_commit`: rank 0 withdraws an old ``metadata.json``; every
    rank writes ``rank_<r>.safetensors`` with the boxes it was given (possibly
-   none) and reports its file record and each entry's byte range; rank 0
-   writes ``metadata.json`` (version 2: every tensor by its chunks) last.
+   none) and reports its file record and its header's digest; rank 0
+   computes the whole plan and every file's byte ranges (``file_layout``),
+   checks each reported file against them and writes ``metadata.json``
+   (version 2: every tensor by its chunks) last.
 
-Step 2 issues collectives only on the coordinator it is given, so a
-background save runs it on a group of its own. With no coordinator (one
-process) there is nothing to agree on. This module does not stage tensors.
+Rank 0 receives O(ranks + tensors) bytes per save on the agreed path (plus
+the ranks' ``rank_state`` plain leaves and block checksums, which grow with
+the user's data only); ``metadata.json`` itself lists every chunk. Step 2
+issues collectives only on the coordinator it is given, so a background save
+runs it on a group of its own. With no coordinator (one process) there is
+nothing to agree on. This module does not stage tensors.
 
 Example::
 
@@ -27,9 +39,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+import xxhash
 
 from shardkit.checkpoint.chunk_plan import ChunkPlan, plan_chunks
 from shardkit.checkpoint.chunks import Chunk
+from shardkit.checkpoint.compact_layout import Description, describe, own_boxes_agree, prediction_trusted
 from shardkit.checkpoint.dtensor_layout import local_box
 from shardkit.checkpoint.group import exchange
 from shardkit.checkpoint.manifest import (
@@ -39,9 +54,11 @@ from shardkit.checkpoint.nested import flatten
 from shardkit.checkpoint.rank_state import check_reserved, rank_state_objects, rank_state_report
 from shardkit.checkpoint.distributed_save import _attempt, _describe, _raise_first, _user_metadata, _withdraw
 from shardkit.checkpoint.spec import TensorShardSpec
+from shardkit.checkpoint.writer_choice import full_plan, own_writes
 from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes, to_safetensors_name
-from shardkit.errors import TensorMismatchError
-from shardkit.storage import FileRecord, Storage, read_header, write_safetensors
+from shardkit.errors import MetadataError, TensorMismatchError
+from shardkit.layout import Box
+from shardkit.storage import FileLayout, FileRecord, Storage, file_layout, write_safetensors
 
 __all__ = ["Prepared", "prepare", "write_and_commit"]
 
@@ -50,7 +67,7 @@ __all__ = ["Prepared", "prepare", "write_and_commit"]
 class Prepared:
     rank: int
     world_size: int
-    plan: ChunkPlan
+    full_plan: Callable[[], ChunkPlan]    # every rank's writes (rank 0 calls it when it commits)
     to_write: dict[str, torch.Tensor]     # name -> the local tensor this rank writes
     objects: dict[str, Any]
     structure: Any
@@ -64,22 +81,46 @@ def _all(coordinator, value, step: str) -> list:
     return [value] if coordinator is None else exchange(coordinator, value, step)
 
 
-def _report(state_dict) -> tuple[dict, dict[str, torch.Tensor], Any]:
+@dataclass
+class _Mine:
+    """This rank's part of the plan, before any exchange."""
+
+    boxes: dict[str, Box]
+    local: dict[str, torch.Tensor]
+    flat: Any
+    rank_objects: dict
+    user_metadata: dict
+    desc: Description
+    global_rank: int | None
+    boxes_agree: bool
+
+    def report(self) -> dict:
+        """Every box this rank holds (the fallback exchange: O(tensors) per rank)."""
+        return {n: [list(t.full_shape), t.dtype, list(self.boxes[n].offsets), list(self.boxes[n].sizes)]
+                for n, t in self.desc.tensors.items()}
+
+
+def _global_rank() -> int | None:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
+def _mine(state_dict, rank_state, rank: int, world_size: int, metadata) -> _Mine:
     flat = flatten(state_dict)
-    report, local = {}, {}
+    boxes, local = {}, {}
     for name, t in flat.tensors.items():
         if name == "__metadata__":
             raise TensorMismatchError("a tensor cannot be named '__metadata__' (safetensors reserves it)")
-        box, local[name] = local_box(name, t)
-        report[name] = [list(t.shape), to_safetensors_name(t.dtype), list(box.offsets), list(box.sizes)]
-    return report, local, flat
-
-
-def _mine(state_dict, rank_state, rank: int, world_size: int, metadata):
-    report, local, flat = _report(state_dict)
+        boxes[name], local[name] = local_box(name, t)
     check_reserved([*flat.tensors, *flat.objects])
-    extra_report, extra_local, rank_objects = rank_state_report(rank_state, rank, world_size)
-    return {**report, **extra_report}, {**local, **extra_local}, flat, rank_objects, _user_metadata(metadata)
+    row_report, rows, rank_objects = rank_state_report(rank_state, rank, world_size)
+    boxes.update({n: Box(tuple(r[2]), tuple(r[3])) for n, r in row_report.items()})
+    desc = describe(flat.tensors, rows, world_size)
+    global_rank = _global_rank()
+    try:
+        agree = own_boxes_agree(desc, boxes, global_rank, rank)
+    except Exception:  # noqa: BLE001 - a prediction that fails is one not to plan from
+        agree = False
+    return _Mine(boxes, {**local, **rows}, flat, rank_objects, _user_metadata(metadata), desc, global_rank, agree)
 
 
 def prepare(state_dict, coordinator, rank: int, world_size: int, metadata=None, rank_state=None) -> Prepared:
@@ -87,35 +128,69 @@ def prepare(state_dict, coordinator, rank: int, world_size: int, metadata=None, 
 
     ``rank_state``: per-rank values (``rank_state.py``), stored beside the state."""
     mine, exc = _attempt(lambda: _mine(state_dict, rank_state, rank, world_size, metadata))
-    statuses = _all(coordinator, {"error": _describe(exc), "report": mine[0] if mine else None,
-                                  "rank_objects": mine[3] if mine else None}, "exchanging the layouts")
+    statuses = _all(coordinator, {"error": _describe(exc), "digest": mine.desc.digest() if mine else None,
+                                  "global_rank": mine.global_rank if mine else None,
+                                  "agree": mine.boxes_agree if mine else False,
+                                  "rank_objects": mine.rank_objects if mine else None}, "exchanging the layouts")
     _raise_first(statuses, exc, "preparing the save")
-    report, local, flat, _, user_metadata = mine
-    plan = plan_chunks([s["report"] for s in statuses], lambda d: itemsize_bytes(NAME_TO_DTYPE[d]))
-    to_write = {n: local[n] for n in plan.writes[rank]}
-    objects = {**flat.objects, **rank_state_objects(statuses)}
-    return Prepared(rank, world_size, plan, to_write, objects, flat.structure, user_metadata)
+    global_ranks = [s["global_rank"] for s in statuses]
+    if (len({s["digest"] for s in statuses}) == 1 and all(s["agree"] for s in statuses)
+            and prediction_trusted(mine.desc, global_ranks)):
+        writes = own_writes(mine.desc, rank, world_size, mine.global_rank, mine.boxes)
+        plan_all = lambda: full_plan(mine.desc, global_ranks, world_size)  # noqa: E731
+    else:
+        reports = _all(coordinator, mine.report(), "exchanging every rank's boxes (the compact layouts differ)")
+        plan = plan_chunks(reports, lambda d: itemsize_bytes(NAME_TO_DTYPE[d]))
+        writes, plan_all = plan.writes[rank], lambda: plan
+    objects = {**mine.flat.objects, **rank_state_objects(statuses)}
+    return Prepared(rank, world_size, plan_all, {n: mine.local[n] for n in writes}, objects,
+                    mine.flat.structure, mine.user_metadata)
+
+
+def _file_metadata(rank: int, world_size: int) -> dict[str, str]:
+    return {"format": "pt", "shardkit.rank": str(rank), "shardkit.num_ranks": str(world_size)}
+
+
+def _header_digest(layout: FileLayout) -> str:
+    return xxhash.xxh3_64_hexdigest(layout.header)
 
 
 def _write_file(storage: Storage, directory: str, prep: Prepared) -> dict:
-    name = data_file_name(prep.rank)
-    path = storage.join(directory, name)
-    record = write_safetensors(storage, path, list(prep.to_write.items()),
-                               {"format": "pt", "shardkit.rank": str(prep.rank),
-                                "shardkit.num_ranks": str(prep.world_size)})
-    with storage.open_reader(path) as reader:
-        header = read_header(reader)
-    ranges = {n: [header.tensors[n].begin, header.tensors[n].end] for n in prep.to_write}
-    return {"file": name, "record": record.to_json(), "ranges": ranges}
+    named = list(prep.to_write.items())
+    metadata = _file_metadata(prep.rank, prep.world_size)
+    record = write_safetensors(storage, storage.join(directory, data_file_name(prep.rank)), named, metadata)
+    layout = file_layout([(n, to_safetensors_name(t.dtype), tuple(t.shape)) for n, t in named], metadata)
+    return {"record": record.to_json(), "header": _header_digest(layout)}
+
+
+def _check_written(rank: int, layout: FileLayout, written: dict) -> FileRecord:
+    name = data_file_name(rank)
+    record = FileRecord.from_json(name, written["record"])
+    if record.bytes != layout.size_bytes or written["header"] != _header_digest(layout):
+        raise MetadataError(
+            f"rank {rank} wrote {name} of {record.bytes} bytes with header digest {written['header']}, but the "
+            f"save's plan gives that file {layout.size_bytes} bytes and digest {_header_digest(layout)} "
+            f"({len(layout.entries)} tensors); the ranks planned different writes. Nothing was committed: "
+            f"report a bug with the state's layout")
+    return record
 
 
 def _manifest(prep: Prepared, written: list[dict]) -> Manifest:
+    plan = prep.full_plan()
+    held: list[list] = [[] for _ in range(prep.world_size)]
+    for name, t in plan.tensors.items():
+        for box, r in t.box_to_writer.items():
+            held[r].append((name, t.dtype, box.sizes))
+    files, ranges = {}, []
+    for r in range(prep.world_size):
+        layout = file_layout(held[r], _file_metadata(r, prep.world_size))
+        files[data_file_name(r)] = _check_written(r, layout, written[r])
+        ranges.append({e.name: (e.begin, e.end) for e in layout.entries})
     tensors = {}
-    for name, t in prep.plan.tensors.items():
-        chunks = tuple(Chunk(data_file_name(r), box.offsets, box.sizes, *written[r]["ranges"][name])
+    for name, t in plan.tensors.items():
+        chunks = tuple(Chunk(data_file_name(r), box.offsets, box.sizes, *ranges[r][name])
                        for box, r in sorted(t.box_to_writer.items(), key=lambda br: br[0].offsets))
         tensors[name] = SavedTensor(TensorShardSpec(t.full_shape, None, ()), t.dtype, None, chunks)
-    files = {w["file"]: FileRecord.from_json(w["file"], w["record"]) for w in written}
     return Manifest(CHUNKED_VERSION, prep.world_size, tensors, files, prep.objects, prep.structure,
                     prep.user_metadata)
 

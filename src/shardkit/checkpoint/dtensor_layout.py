@@ -4,25 +4,39 @@ A ``DTensor`` (FSDP2, HSDP, tensor parallel, 2-D meshes, including the
 strided sharding FSDP2 applies over TP) holds one box of its global tensor;
 torch's own ``compute_local_shape_and_global_offset`` (what
 ``torch.distributed.checkpoint`` uses) gives its offsets and sizes. A plain
-tensor is replicated: its box is the whole tensor. This module reads
-layouts only; it moves no data and issues no collective.
+tensor is replicated: its box is the whole tensor. :func:`predicted_box`
+gives the box of *any* mesh coordinate from plain data (torch's private
+``_compute_local_shape_and_global_offset``, imported defensively: None where
+a torch lacks it), so one rank can compute every rank's box. This module
+reads layouts only; it moves no data and issues no collective.
 
 Example::
 
     box, local = local_box(model.state_dict()["w"])     # a DTensor on a mesh of 4
     box.offsets, box.sizes, local.shape                 # (2, 0), (2, 8), torch.Size([2, 8])
+    predicted_box((8, 8), (4,), (1,), (Shard(0),))      # Box((2, 0), (2, 8))
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardkit.errors import TensorMismatchError
 from shardkit.layout import Box, whole_box
 
-__all__ = ["is_dtensor", "local_box", "global_shape"]
+try:  # private torch API: without it every box is exchanged instead of computed
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover - depends on the torch version
+    _compute_local_shape_and_global_offset = None
+try:
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - depends on the torch version
+    _StridedShard = None
+
+__all__ = ["is_dtensor", "local_box", "global_shape", "placement_code", "is_shard", "is_known_placement",
+           "tiles_by_construction", "predicted_box"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -54,3 +68,49 @@ def local_box(name: str, t: torch.Tensor) -> tuple[Box, torch.Tensor]:
         raise TensorMismatchError(f"DTensor {name!r} has a local tensor of shape {list(local.shape)}, but its "
                                   f"placements {t.placements} give this rank {list(sizes)} at {list(offsets)}")
     return Box(offsets, sizes), local
+
+
+def is_shard(p) -> bool:
+    """A placement that splits a tensor dimension over a mesh dimension (``Shard`` or ``_StridedShard``)."""
+    return isinstance(p, Shard) or (_StridedShard is not None and isinstance(p, _StridedShard))
+
+
+def is_known_placement(p) -> bool:
+    """``Shard``, ``_StridedShard`` or ``Replicate``: placements :func:`predicted_box` handles."""
+    return is_shard(p) or isinstance(p, Replicate)
+
+
+def tiles_by_construction(p) -> bool:
+    """Exactly ``Shard`` or ``Replicate``: the boxes of any mesh of these tile the tensor (each mesh
+    dimension splits a tensor dimension into contiguous chunks as ``torch.chunk`` does)."""
+    return type(p) is Shard or type(p) is Replicate
+
+
+def placement_code(p) -> list:
+    """A JSON value naming placement ``p`` exactly (equal codes: equal boxes on every coordinate)."""
+    if _StridedShard is not None and isinstance(p, _StridedShard):
+        return ["SS", int(p.dim), int(p.split_factor)]
+    if type(p) is Shard:
+        return ["S", int(p.dim)]
+    if type(p) is Replicate:
+        return ["R"]
+    return ["?", type(p).__qualname__, repr(p)]
+
+
+def predicted_box(global_shape, mesh_shape, coordinate, placements) -> Box | None:
+    """The box that mesh ``coordinate`` holds of a DTensor of ``global_shape`` with ``placements``
+    on a mesh of ``mesh_shape`` (a coordinate of None: a rank outside the mesh, an empty box).
+
+    None when torch lacks the private helper, or a placement is not one it handles.
+    """
+    ndim = len(global_shape)
+    if coordinate is None:
+        return Box((0,) * ndim, (0,) * ndim)
+    if _compute_local_shape_and_global_offset is None or not all(map(is_known_placement, placements)):
+        return None
+    try:
+        sizes, offsets = _compute_local_shape_and_global_offset(tuple(global_shape), tuple(mesh_shape),
+                                                                list(coordinate), tuple(placements))
+    except Exception:  # noqa: BLE001 - a layout torch cannot compute is one not to predict
+        return None
+    return Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))

@@ -14,9 +14,11 @@ from shardkit.storage.json_io import parse_json_object
 from shardkit.storage.parallel import run_parallel
 from shardkit.storage.paths import check_relative_name
 from shardkit.storage.safetensors_header import (
+    FileLayout,
     SafetensorsHeader,
     TensorEntry,
     build_header,
+    file_layout,
     parse_header,
     read_header,
 )
@@ -27,6 +29,7 @@ __all__ = [
     "ALGORITHM",
     "BlockHasher",
     "BufferReader",
+    "FileLayout",
     "FileRecord",
     "FsspecStorage",
     "LazyTensor",
@@ -41,6 +44,7 @@ __all__ = [
     "byte_view",
     "check_relative_name",
     "fetched_bytes",
+    "file_layout",
     "fsync_dir",
     "is_lock_name",
     "is_temp_name",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -30,7 +30,8 @@ from shardkit.storage.backend import Reader
 from shardkit.layout import bounded_numel
 from shardkit.storage.json_io import expect_dict, expect_int, expect_list, expect_str, parse_json_object, short_repr
 
-__all__ = ["TensorEntry", "TensorTable", "SafetensorsHeader", "build_header", "read_header", "parse_header"]
+__all__ = ["TensorEntry", "TensorTable", "SafetensorsHeader", "FileLayout", "build_header", "file_layout",
+           "read_header", "parse_header"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,44 @@ def build_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata:
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)  # keep tensor data 8-byte aligned, as safetensors does
     return struct.pack("<Q", len(text)) + text
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """Where everything of a safetensors file lies, known before a byte is written.
+
+    ``header``: the length prefix and JSON; ``entries``: every tensor in file
+    order with its absolute ``[begin, end)``; ``order[i]``: the position in the
+    caller's list of ``entries[i]``; ``size_bytes``: the whole file's size.
+    """
+
+    header: bytes
+    entries: tuple[TensorEntry, ...]
+    order: tuple[int, ...]
+    size_bytes: int
+
+
+def file_layout(tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: dict[str, str] | None) -> FileLayout:
+    """The layout of a safetensors file holding ``(name, dtype name, shape)`` tensors, with ``metadata``.
+
+    The one place that orders a file: widest dtype first, then by name (each
+    tensor then starts aligned to its element size). ``write_safetensors``
+    writes exactly this; a checkpoint's rank 0 computes other ranks' byte
+    ranges with it instead of receiving them. Pure: no I/O, no tensor bytes.
+
+    >>> lay = file_layout([("b", "F16", (2,)), ("w", "F32", (2, 2))], {"format": "pt"})
+    >>> [(e.name, e.end - e.begin) for e in lay.entries], lay.size_bytes == lay.entries[-1].end
+    ([('w', 16), ('b', 4)], True)
+    """
+    order = sorted(range(len(tensors)), key=lambda i: (-_ITEMSIZE[tensors[i][1]][1], tensors[i][0]))
+    sized = [(tensors[i][0], tensors[i][1], tuple(tensors[i][2]),
+              math.prod(tensors[i][2]) * _ITEMSIZE[tensors[i][1]][1]) for i in order]
+    header = build_header(sized, metadata)
+    entries, offset = [], len(header)
+    for name, dtype, shape, nbytes in sized:
+        entries.append(TensorEntry(name, dtype, shape, offset, offset + nbytes))
+        offset += nbytes
+    return FileLayout(header, tuple(entries), tuple(order), offset)
 
 
 def read_header(reader: Reader) -> SafetensorsHeader:

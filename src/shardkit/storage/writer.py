@@ -37,7 +37,7 @@ from shardkit.storage.atomic import start_writeback
 from shardkit.storage.base import Storage
 from shardkit.storage.checksum import BlockHasher, FileRecord
 from shardkit.storage.direct_io import open_direct_sink
-from shardkit.storage.safetensors_header import build_header
+from shardkit.storage.safetensors_header import file_layout
 from shardkit.storage.tensor_io import byte_view
 
 __all__ = ["LazyTensor", "TensorLike", "write_safetensors"]
@@ -62,10 +62,6 @@ class LazyTensor:
 TensorLike = Union[torch.Tensor, LazyTensor]
 
 
-def _nbytes(t: TensorLike) -> int:
-    return t.nbytes if isinstance(t, LazyTensor) else t.numel() * t.element_size()
-
-
 def _materialise(t: TensorLike) -> torch.Tensor:
     t = (t.load() if isinstance(t, LazyTensor) else t).detach()
     return (t.cpu() if t.device.type != "cpu" else t).contiguous()
@@ -82,17 +78,19 @@ def write_safetensors(
 ) -> FileRecord | None:
     """Write ``named_tensors`` as one safetensors file at ``path``, atomically; return its record.
 
-    Tensors are laid out widest dtype first, then by name, so each starts
-    aligned to its element size. Non-contiguous, GPU and lazy tensors are
+    Tensors are laid out as ``file_layout`` gives (widest dtype first, then
+    by name, so each starts aligned to its element size): the byte ranges can
+    be computed without reading the file back. Non-contiguous, GPU and lazy tensors are
     made ready one at a time; a lazy tensor's bytes are written (and hashed)
     before the next one is produced, so memory holds about one of them.
     ``checksum=False`` skips the block hashes (for formats with nowhere to
     keep them, e.g. Hugging Face shards) and returns None. ``durable=False``
     skips early writeback and fsync (see ``Storage.atomic_writer``).
     """
-    order = sorted(named_tensors, key=lambda nt: (-itemsize_bytes(nt[1].dtype), nt[0]))
-    entries = [(name, to_safetensors_name(t.dtype), tuple(t.shape), _nbytes(t)) for name, t in order]
-    header = build_header(entries, metadata)
+    layout = file_layout([(name, to_safetensors_name(t.dtype), tuple(t.shape)) for name, t in named_tensors],
+                         metadata)
+    order = [named_tensors[i] for i in layout.order]
+    header = layout.header
     hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES) if checksum else None
     # One hashing worker keeps the updates in file order.
     with ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash") as hashing:
