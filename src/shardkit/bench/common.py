@@ -10,6 +10,7 @@ compared with every other row; ``kind`` marks the comparison rows as
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from typing import Callable
@@ -89,3 +90,20 @@ def format_table(rows: list[dict]) -> str:
 def write_json(rows: list[dict], path: str, **context) -> None:
     with open(path, "w") as f:
         json.dump({"context": context, "rows": rows}, f, indent=2)
+
+
+def warm_files(*dirs: str) -> None:
+    """Read every file under ``dirs`` once, sequentially (untimed), so each impl's loads start warm alike.
+
+    An fsync'd save bypasses the page cache (shardkit writes with ``O_DIRECT``),
+    another's leaves its pages cached, and how pages got into the cache
+    changes what a mapped load pays on first touch (a sequential read leaves
+    large folios, mapped many pages per fault); reading all files the same way
+    removes both differences.
+    """
+    for d in dirs:
+        for root, _, files in os.walk(d):
+            for name in files:
+                with open(os.path.join(root, name), "rb", buffering=0) as f:
+                    while f.read(8 << 20):
+                        pass

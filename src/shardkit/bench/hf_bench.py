@@ -1,19 +1,28 @@
-"""HF-format rows: shardkit.hf save/load side by side with huggingface_hub and transformers.
+"""HF-format rows: shardkit.hf save/load side by side with huggingface_hub, safetensors and transformers.
 
-Cases (BENCHMARKS.md, "HF save / load"), all on the same synthetic BF16 state:
+Cases (BENCHMARKS.md, "HF save / load"), all warm cache: before timing, every
+impl's files are read once sequentially (``common.warm_files``), so each starts from
+the same page-cache state whoever wrote the file (shardkit's fsync'd saves
+bypass the cache; ``save_pretrained`` leaves its pages cached).
 
-- ``hf save``: ``shardkit.hf.save_checkpoint`` (fsync'd, atomic; and with
-  ``sync_files=False``, atomic without fsync) vs
-  ``huggingface_hub.save_torch_state_dict`` as users run it (no fsync) and
-  with an fsync of its files (the like-for-like durability), limit: a raw
-  write of the same bytes + fsync.
-- ``hf load``: ``load_checkpoint`` into a module vs ``huggingface_hub.load_torch_model``
-  into the same module; dict mode vs ``safetensors.torch.load_file``; limit:
-  reading the same bytes from page cache into memory.
-- ``hf save_pretrained`` / ``hf from_pretrained``: a Llama of about the same
-  size, vs ``transformers``.
+- ``hf save``: ``shardkit.hf.save_checkpoint`` vs
+  ``huggingface_hub.save_torch_state_dict``, at like durability: shardkit
+  fsync'd vs the peer + an fsync of its files, and ``sync_files=False`` vs
+  the peer as users run it; limit: a raw write of the same bytes + fsync.
+- ``hf load into allocated module``: ``load_checkpoint(dir, model)`` copies
+  into the module's own memory, vs ``huggingface_hub.load_torch_model``.
+- ``hf load as dict``: ``load_checkpoint(dir, None)`` (zero-copy map by
+  default) vs ``safetensors.torch.load_file`` (maps too): lazily, and with
+  every page touched; ``mmap=False`` (a copy) vs a raw read.
+- Llama (``transformers``, at least ``LLAMA_MIN_BYTES``): ``save_pretrained``
+  vs ``save_checkpoint`` (fsync'd vs save_pretrained + fsync; no fsync vs
+  save_pretrained); ``from_pretrained`` (builds the model on meta, assigns
+  tensors over maps of the files) vs the same done with shardkit: a model
+  built under ``torch.device("meta")`` + ``load_checkpoint(dir, model,
+  assign=True)`` (default mmap: zero-copy), lazily and with every page
+  touched; and the copy into an allocated model vs ``load_torch_model``.
 
-Each figure is the median of ``reps`` runs. Nothing here asserts a time.
+Each figure is the median of ``reps`` interleaved runs. Nothing here asserts a time.
 
 Example::
 
@@ -28,7 +37,7 @@ import shutil
 
 import torch
 
-from shardkit.bench.common import row, time_interleaved
+from shardkit.bench.common import row, time_interleaved, warm_files
 
 
 def _state(size_bytes: int) -> dict[str, torch.Tensor]:
@@ -122,7 +131,6 @@ def _save_rows(state, nbytes, reps, workdir) -> list[dict]:
     from shardkit.hf import save_checkpoint
 
     d = os.path.join(workdir, "hf-save")
-    case = "hf save (safetensors)"
     t = _interleaved({
         "ours": lambda: save_checkpoint(d, state, safetensors=True),
         "ours_nosync": lambda: save_checkpoint(d, state, safetensors=True, sync_files=False),
@@ -130,14 +138,14 @@ def _save_rows(state, nbytes, reps, workdir) -> list[dict]:
         "hub_sync": lambda: (save_torch_state_dict(state, d), _fsync_tree(d)),
         "raw": lambda: _raw_write(state, os.path.join(d, "raw.bin")),
     }, reps, lambda: _fresh(d))
-    ours, ours_nosync, hub, hub_sync, raw = t["ours"], t["ours_nosync"], t["hub"], t["hub_sync"], t["raw"]
     shutil.rmtree(d, ignore_errors=True)
+    synced, unsynced = "hf save, fsync'd (safetensors)", "hf save, no fsync (safetensors)"
     return [
-        row(case, "shardkit", ours, bytes=nbytes, note="atomic, fsync'd"),
-        row(case, "shardkit sync_files=False", ours_nosync, bytes=nbytes, note="atomic, no fsync"),
-        row(case, "huggingface_hub.save_torch_state_dict", hub, bytes=nbytes, note="no fsync"),
-        row(case, "huggingface_hub.save_torch_state_dict+fsync", hub_sync, bytes=nbytes),
-        row(case, "raw write+fsync", raw, kind="limit", bytes=nbytes),
+        row(synced, "shardkit", t["ours"], bytes=nbytes, note="atomic, fsync'd"),
+        row(synced, "huggingface_hub.save_torch_state_dict+fsync", t["hub_sync"], bytes=nbytes),
+        row(synced, "raw write+fsync", t["raw"], kind="limit", bytes=nbytes),
+        row(unsynced, "shardkit", t["ours_nosync"], bytes=nbytes, note="sync_files=False: atomic, no fsync"),
+        row(unsynced, "huggingface_hub.save_torch_state_dict", t["hub"], bytes=nbytes, note="no fsync"),
     ]
 
 
@@ -155,93 +163,132 @@ def _load_rows(state, nbytes, reps, workdir) -> list[dict]:
     model = _module_from_state(state)
     targets = [torch.empty_like(t) for t in state.values()]
     single = os.path.join(hub_dir, "model.safetensors")
-    case, case_dict = "hf load into module (warm cache)", "hf load as dict (warm cache)"
     load_torch_model(model, hub_dir, strict=True)  # untimed: first touch of the module's memory
-    load_checkpoint(ours_dir, model)  # untimed: every impl's files are read once before timing
-    load_checkpoint(ours_dir, None)
     _raw_read(targets, os.path.join(hub_dir, "raw.bin"))
+    warm_files(ours_dir, hub_dir)
     t = _interleaved({
         "ours": lambda: load_checkpoint(ours_dir, model),
         "hub": lambda: load_torch_model(model, hub_dir, strict=True),
         "ours_on_hub": lambda: load_checkpoint(hub_dir, model),
-        "ours_dict": lambda: load_checkpoint(ours_dir, None, mmap=False),
-        "ours_mmap": lambda: _touch(load_checkpoint(ours_dir, None, mmap=True)),
-        "ours_default": lambda: load_checkpoint(ours_dir, None),
+        "ours_copy": lambda: load_checkpoint(ours_dir, None, mmap=False),
+        "ours_touch": lambda: _touch(load_checkpoint(ours_dir, None)),
+        "ours_lazy": lambda: load_checkpoint(ours_dir, None),
         "st_lazy": lambda: load_file(single),
-        "st": lambda: _touch(load_file(single)),
+        "st_touch": lambda: _touch(load_file(single)),
         "raw": lambda: _raw_read(targets, os.path.join(hub_dir, "raw.bin")),
+        "raw_fresh": lambda: _raw_read([torch.empty_like(t) for t in targets], os.path.join(hub_dir, "raw.bin")),
     }, reps)
-    ours, hub, ours_on_hub, ours_dict, ours_mmap, st, raw = (
-        t[k] for k in ("ours", "hub", "ours_on_hub", "ours_dict", "ours_mmap", "st", "raw"))
     shutil.rmtree(ours_dir, ignore_errors=True), shutil.rmtree(hub_dir, ignore_errors=True)
+    into, lazy = "hf load into allocated module", "hf load as dict, lazy map"
+    touched, copied = "hf load as dict, pages touched", "hf load as dict, copied"
     return [
-        row(case, "shardkit", ours, bytes=nbytes),
-        row(case, "huggingface_hub.load_torch_model", hub, bytes=nbytes),
-        row(case, "shardkit on huggingface_hub's files", ours_on_hub, bytes=nbytes, note="same files as hub"),
-        row(case, "raw read into memory", raw, kind="limit", bytes=nbytes),
-        row(case_dict, "shardkit (default: zero-copy map)", t["ours_default"], bytes=nbytes, note="lazy map"),
-        row(case_dict, "safetensors.torch.load_file", t["st_lazy"], bytes=nbytes, note="lazy map"),
-        row(case_dict, "shardkit mmap=False", ours_dict, bytes=nbytes, note="read into fresh memory"),
-        row(case_dict, "shardkit (default) + touch", ours_mmap, bytes=nbytes, note="lazy map; every page read"),
-        row(case_dict, "safetensors.torch.load_file + touch", st, bytes=nbytes, note="lazy map; every page read"),
-        row(case_dict, "raw read into memory", raw, kind="limit", bytes=nbytes),
+        row(into, "shardkit", t["ours"], bytes=nbytes, note="copies into the module's memory"),
+        row(into, "huggingface_hub.load_torch_model", t["hub"], bytes=nbytes),
+        row(into, "shardkit on huggingface_hub's files", t["ours_on_hub"], bytes=nbytes, note="same files as hub"),
+        row(into, "raw read into the same memory", t["raw"], kind="limit", bytes=nbytes),
+        row(lazy, "shardkit", t["ours_lazy"], bytes=nbytes, note="default mmap: copy-on-write map"),
+        row(lazy, "safetensors.torch.load_file", t["st_lazy"], bytes=nbytes, note="copy-on-write map"),
+        row(touched, "shardkit", t["ours_touch"], bytes=nbytes, note="default mmap; one byte per page read"),
+        row(touched, "safetensors.torch.load_file + touch", t["st_touch"], bytes=nbytes),
+        row(copied, "shardkit", t["ours_copy"], bytes=nbytes, note="mmap=False: read into fresh memory"),
+        row(copied, "raw read into fresh memory", t["raw_fresh"], kind="limit", bytes=nbytes),
     ]
 
 
+#: The Llama rows use a model of at least this size, whatever ``size_bytes`` (a smoke test lowers it).
+LLAMA_MIN_BYTES = 800 << 20
+
+
 def _llama_config(size_bytes: int):
+    """A Llama-style config (untied head) of about ``size_bytes`` in BF16: hidden 1024, MLP 2816, 32000
+    vocab from 256 MiB up; a narrow one (hidden 128, 1024 vocab) below, for smoke runs."""
     from transformers import LlamaConfig
 
-    hidden = 1024
-    per_layer = (4 * hidden * hidden + 3 * hidden * 2816) * 2
-    layers = max(1, (size_bytes - 2 * 32000 * hidden * 2) // per_layer)
-    return LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=2816, num_hidden_layers=layers,
+    hidden, mlp, vocab = (1024, 2816, 32000) if size_bytes >= 256 << 20 else (128, 352, 1024)
+    per_layer = (4 * hidden * hidden + 3 * hidden * mlp) * 2
+    layers = max(1, (size_bytes - 2 * vocab * hidden * 2) // per_layer)
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                        num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False)
 
 
-def _transformers_rows(size_bytes, reps, workdir) -> list[dict]:
+def _meta_llama(config):
+    """The model as a user builds it to load into: on meta, no memory, no init (BF16 like the files)."""
     from transformers import LlamaForCausalLM
 
-    from shardkit.hf import load_checkpoint, save_checkpoint
+    with torch.device("meta"):
+        return LlamaForCausalLM(config).to(torch.bfloat16)
 
-    config = _llama_config(size_bytes)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    nbytes = sum(t.nbytes for t in model.state_dict().values())
-    ours_dir, tf_dir = os.path.join(workdir, "tf-sk"), os.path.join(workdir, "tf-tf")
-    t = _interleaved({"ours": (lambda: save_checkpoint(ours_dir, model, safetensors=True), lambda: _fresh(ours_dir)),
-                      "tf": (lambda: model.save_pretrained(tf_dir), lambda: _fresh(tf_dir))}, reps)
-    ours, tf = t["ours"], t["tf"]
-    config.save_pretrained(ours_dir)
 
-    def shardkit_from_config():
-        with torch.device("meta"):
-            fresh = LlamaForCausalLM(config).to(torch.bfloat16)
-        fresh.to_empty(device="cpu")
-        load_checkpoint(ours_dir, fresh)
+def _llama_save_rows(model, nbytes, reps, ours_dir, tf_dir) -> list[dict]:
+    from shardkit.hf import save_checkpoint
 
-    def shardkit_mapped():
-        with torch.device("meta"):
-            fresh = LlamaForCausalLM(config).to(torch.bfloat16)
-        load_checkpoint(ours_dir, fresh, assign=True, mmap=True)
+    t = _interleaved({
+        "ours": (lambda: save_checkpoint(ours_dir, model, safetensors=True), lambda: _fresh(ours_dir)),
+        "ours_nosync": (lambda: save_checkpoint(ours_dir, model, safetensors=True, sync_files=False),
+                        lambda: _fresh(ours_dir)),
+        "tf": (lambda: model.save_pretrained(tf_dir), lambda: _fresh(tf_dir)),
+        "tf_sync": (lambda: (model.save_pretrained(tf_dir), _fsync_tree(tf_dir)), lambda: _fresh(tf_dir)),
+    }, reps)
+    synced, unsynced = "hf save, Llama, fsync'd", "hf save, Llama, no fsync"
+    return [
+        row(synced, "shardkit", t["ours"], bytes=nbytes, note="atomic, fsync'd"),
+        row(synced, "transformers save_pretrained + fsync", t["tf_sync"], bytes=nbytes, note="fsync of its files"),
+        row(unsynced, "shardkit", t["ours_nosync"], bytes=nbytes, note="sync_files=False: atomic, no fsync"),
+        row(unsynced, "transformers save_pretrained", t["tf"], bytes=nbytes, note="no fsync"),
+    ]
+
+
+def _llama_load_rows(config, nbytes, reps, ours_dir, tf_dir) -> list[dict]:
+    from huggingface_hub import load_torch_model
+    from transformers import LlamaForCausalLM
+
+    from shardkit.hf import load_checkpoint
+
+    def ours_assign():
+        fresh = _meta_llama(config)
+        load_checkpoint(ours_dir, fresh, assign=True)  # default mmap: tensors over maps of the files
         return fresh
 
     def from_pretrained():
         return LlamaForCausalLM.from_pretrained(tf_dir, dtype=torch.bfloat16)
 
-    t = _interleaved({"ours": shardkit_from_config, "tf": from_pretrained,
-                      "ours_mmap": lambda: _touch(shardkit_mapped().state_dict()),
-                      "tf_touch": lambda: _touch(from_pretrained().state_dict())}, reps)
-    ours_load, tf_load, ours_mmap, tf_touch = t["ours"], t["tf"], t["ours_mmap"], t["tf_touch"]
-    shutil.rmtree(ours_dir, ignore_errors=True), shutil.rmtree(tf_dir, ignore_errors=True)
-    save_case, load_case = "hf save, Llama model", "hf load, Llama model (warm cache)"
+    allocated = [_meta_llama(config).to_empty(device="cpu") for _ in range(2)]
+    load_torch_model(allocated[1], tf_dir, strict=True)  # untimed: first touch of both models' memory
+    load_checkpoint(ours_dir, allocated[0])
+    warm_files(ours_dir, tf_dir)
+    t = _interleaved({
+        "ours": ours_assign,
+        "tf": from_pretrained,
+        "ours_touch": lambda: _touch(ours_assign().state_dict()),
+        "tf_touch": lambda: _touch(from_pretrained().state_dict()),
+        "ours_copy": lambda: load_checkpoint(ours_dir, allocated[0]),
+        "hub_copy": lambda: load_torch_model(allocated[1], tf_dir, strict=True),
+    }, reps)
+    meta, touched, into = ("hf load, Llama, built on meta", "hf load, Llama on meta, pages touched",
+                           "hf load into allocated Llama")
     return [
-        row(save_case, "shardkit", ours, bytes=nbytes, note="atomic, fsync'd"),
-        row(save_case, "transformers save_pretrained", tf, bytes=nbytes, note="no fsync"),
-        row(load_case, "shardkit", ours_load, bytes=nbytes, note="meta init + to_empty + load"),
-        row(load_case, "transformers from_pretrained", tf_load, bytes=nbytes, note="maps files lazily"),
-        row(load_case, "shardkit assign+mmap + touch", ours_mmap, bytes=nbytes, note="meta init; lazy map; every page read"),
-        row(load_case, "transformers from_pretrained + touch", tf_touch, bytes=nbytes, note="every page read"),
+        row(meta, "shardkit", t["ours"], bytes=nbytes, note="meta init + load_checkpoint(assign=True): mapped"),
+        row(meta, "transformers from_pretrained", t["tf"], bytes=nbytes, note="meta init + mapped tensors"),
+        row(touched, "shardkit", t["ours_touch"], bytes=nbytes, note="as above + one byte per page read"),
+        row(touched, "transformers from_pretrained + touch", t["tf_touch"], bytes=nbytes),
+        row(into, "shardkit", t["ours_copy"], bytes=nbytes, note="copies into the model's memory"),
+        row(into, "huggingface_hub.load_torch_model", t["hub_copy"], bytes=nbytes, note="copies into the model"),
     ]
+
+
+def _transformers_rows(size_bytes, reps, workdir) -> list[dict]:
+    from transformers import LlamaForCausalLM
+
+    config = _llama_config(max(size_bytes, LLAMA_MIN_BYTES))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    nbytes = sum(t.nbytes for t in model.state_dict().values())
+    ours_dir, tf_dir = os.path.join(workdir, "tf-sk"), os.path.join(workdir, "tf-tf")
+    rows = _llama_save_rows(model, nbytes, reps, ours_dir, tf_dir)
+    del model
+    rows += _llama_load_rows(config, nbytes, reps, ours_dir, tf_dir)
+    shutil.rmtree(ours_dir, ignore_errors=True), shutil.rmtree(tf_dir, ignore_errors=True)
+    return rows
 
 
 def run_hf_benchmarks(size_bytes: int, reps: int, workdir: str) -> list[dict]:

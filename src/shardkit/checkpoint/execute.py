@@ -173,7 +173,7 @@ def _mapped_output(files: OpenFiles, plan: TensorLoad, dtype: torch.dtype) -> to
     if not piece.direct or piece.dst_start != 0 or piece.src_numel != numel or numel == 0:
         return None
     reader, header, _ = files.get(chunk.file)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     offset = header.tensors[plan.name].begin + piece.src_start * itemsize
     if offset % itemsize:
         return None

@@ -85,6 +85,21 @@ def load_distributed(dir, rank, world_size, *, keys=None, device="cpu", verify=N
     saved one raises :class:`TensorMismatchError` before anything is read,
     leaving ``out`` untouched; nothing is cast and no leaf is added.
 
+    **Zero-copy** (without ``out``; ``knobs.MAP_LOADS``, on by default): a
+    tensor whose whole output is one contiguous byte range of one local file
+    (the same-world-size load, a replicated tensor, a ``Shard(0)`` chunk)
+    comes back over a private, copy-on-write map of that range: the call
+    returns before its bytes are read, pages come from the page cache when
+    first touched and are shared with it (and with every process mapping the
+    same file) until written; writes stay private and never reach the file.
+    Such tensors are **not** hashed -- ``validate_distributed`` (or ``shardkit
+    validate``) is their check; sizes and headers are checked as for every
+    load. A file truncated or rewritten in place while they live makes a
+    touch die with SIGBUS (shardkit's saves replace files by rename, so
+    saving over the checkpoint is safe). To get private, verified copies pass
+    ``verify=True`` (copies and hashes every byte), or set
+    ``knobs.MAP_LOADS = False`` (copies, hashed per ``knobs.VERIFY_ON_LOAD``).
+
     >>> load_distributed("/ckpt/step-10", rank=0, world_size=3)["model"]["w"].shape
     >>> state = {"model": model.state_dict(), "step": 0}
     >>> load_distributed("/ckpt/step-10", rank=0, world_size=3, out=state) is state

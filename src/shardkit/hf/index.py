@@ -276,11 +276,14 @@ def check_index(index: object, index_name: str, *, source: str = "index", suffix
     suffixes = suffixes or suffix_for(".safetensors" in index_name)
     weight_map = index["weight_map"]
     check_limits(source, "weight_map entries", weight_map, max_count=knobs.MAX_INDEX_TENSORS)
+    checked: set = set()  # a few files hold thousands of names: check each file name once
     for name, file_name in weight_map.items():
         if not isinstance(name, str):
             raise MetadataError(f"{source}: weight_map key {name!r} is not a string")
-        check_relative_name(file_name, suffixes, source=source)
-    check_limits(source, "shard files", set(weight_map.values()), max_count=knobs.MAX_INDEX_TENSORS)
+        if not (isinstance(file_name, str) and file_name in checked):
+            check_relative_name(file_name, suffixes, source=source)
+            checked.add(file_name)
+    check_limits(source, "shard files", checked, max_count=knobs.MAX_INDEX_TENSORS)
     _check_sharing(meta.get("param_sharing", []), source)
 
 

@@ -73,13 +73,19 @@ def load_checkpoint(
       a tensor is written to;
     - copy-on-write: writing to a loaded tensor copies that page privately;
       it never reaches the file;
+    - the pages are the file's: under memory pressure the kernel drops them
+      (no swap needed) and reads them again when touched; they count in the
+      process's RSS as shared file pages while mapped;
     - truncation caveat: a file truncated or rewritten *in place* while its
       tensors live makes touching them fail with SIGBUS (the process dies).
       shardkit's own saves (and ``save_pretrained``) replace files whole by
       rename, so an overwrite by them is safe: the tensors keep the old file;
-    - no content check: safetensors files carry no checksums (and zero-copy
-      loads hash nothing); the sizes and header are checked as always.
-      ``validate_checkpoint`` is the corruption check for these loads.
+    - no content check: Hugging Face safetensors files carry no checksums, so
+      no load of them (mapped or copied) can see a flipped byte; the sizes
+      and header are checked as always, and ``validate_checkpoint`` checks
+      that every file is there, whole, with the tensors the index names. A
+      shardkit distributed checkpoint is checksummed: ``validate_distributed``
+      re-hashes every byte, which is the content check for its mapped loads.
 
     Copies are made otherwise: ``.bin`` files, remote (fsspec) files, tensors
     whose offset in the file is not aligned to their element size, and a
