@@ -169,3 +169,23 @@ def test_an_agreed_state_saves_with_four_exchanges(tmp_path):
     errors, counted = _save_on_threads([state] * 3, str(tmp_path / "ck"))
     assert errors == [None] * 3
     assert counted == [8] * 3
+
+
+def test_rank_0_refuses_a_file_that_is_not_the_planned_one():
+    from shardkit.checkpoint.chunked_save import _check_written, _file_metadata, _header_digest
+    from shardkit.errors import MetadataError
+    from shardkit.storage import BlockHasher, file_layout
+
+    def record_of(nbytes):
+        hasher = BlockHasher(1 << 20)
+        hasher.update(memoryview(bytes(nbytes)))
+        return hasher.finish().to_json()
+
+    layout = file_layout([("w", "F32", (4,))], _file_metadata(1, 2))
+    record = record_of(layout.size_bytes)
+    assert _check_written(1, layout, {"record": record, "header": _header_digest(layout)}).bytes == layout.size_bytes
+    short = record_of(layout.size_bytes - 4)
+    with pytest.raises(MetadataError, match="rank 1 wrote rank_1.safetensors of"):
+        _check_written(1, layout, {"record": short, "header": _header_digest(layout)})
+    with pytest.raises(MetadataError, match="planned different writes"):
+        _check_written(1, layout, {"record": record, "header": "0" * 16})
