@@ -221,22 +221,7 @@ class Storage:
                 store.clear_directory(step_dir)   # a crashed save's leftovers
                 ...                               # write the new checkpoint
         """
-        from shardkit.storage.lock import is_lock_name
-
-        if not self.isdir(path):
-            return []
-        removed = []
-        for name in self.listdir(path):
-            entry = self.join(path, name)
-            if is_lock_name(name):
-                continue
-            if self.isdir(entry):
-                self.remove_tree(entry)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    self.remove(entry)
-            removed.append(entry)
-        return removed
+        raise NotImplementedError
 
     def modified_time(self, path: str) -> float:
         """When the file at ``path`` was last written, in seconds since the epoch."""
