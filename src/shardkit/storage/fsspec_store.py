@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +39,7 @@ from shardkit import knobs
 from shardkit.errors import MissingShardError
 from shardkit.storage.atomic import temp_name
 from shardkit.storage.base import Reader, Storage
+from shardkit.storage.lock import is_lock_name
 
 __all__ = ["FsspecStorage", "fetched_bytes"]
 
@@ -155,8 +157,6 @@ class _S3RangeReader(_RangeReader):
         return sync(self._fs.loop, self._fetch_all, parts)
 
     async def _fetch_all(self, parts: list[tuple[int, list[memoryview]]]) -> int:
-        import asyncio
-
         gate = asyncio.Semaphore(max(1, knobs.OBJECT_PARTS_IN_FLIGHT))
 
         async def one(start: int, views: list[memoryview]) -> int:
@@ -332,8 +332,6 @@ class FsspecStorage(Storage):
     def clear_directory(self, path: str) -> list[str]:
         # One listing and one bulk delete; writer_lock keeps no lock objects here, but a
         # name is still spared the way the interface says.
-        from shardkit.storage.lock import is_lock_name
-
         key = self._strip(path).rstrip("/")
         try:
             entries = self.fs.ls(key, detail=False)
