@@ -71,6 +71,14 @@ MAX_METRICS: int = 10_000
 #: False reads every tensor into fresh memory.
 HF_MMAP_LOADS: bool = True
 
+#: Tensors over a map of a local file (the default HF dict load, ``assign=True``)
+#: get their pages mapped ahead of first use by one background thread
+#: (``madvise(MADV_POPULATE_READ)``, in chunks of ``MAP_PREFETCH_CHUNK_BYTES``),
+#: and the map asks for large page-cache folios (``MADV_HUGEPAGE``); see
+#: ``shardkit.storage.read_ahead``. False leaves every page to the first touch.
+MAP_PREFETCH: bool = True
+MAP_PREFETCH_CHUNK_BYTES: int = 32 * 1024 * 1024
+
 #: Threads used to read files in parallel inside one process.
 IO_THREADS: int = 4
 

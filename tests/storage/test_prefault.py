@@ -34,7 +34,7 @@ def test_a_fresh_buffer_is_populated_and_then_written_normally():
 def test_a_range_holding_no_whole_page_is_left_alone(monkeypatch):
     calls = []
     monkeypatch.setattr(prefault, "_madvise", lambda *a: calls.append(a) or 0)
-    monkeypatch.setattr(prefault, "_supported", True)
+    monkeypatch.setattr(prefault, "_unsupported", set())
     assert populate_for_write(PAGE_BYTES + 1, PAGE_BYTES) is False  # straddles two pages, holds neither
     assert populate_for_write(PAGE_BYTES, 0) is False
     assert calls == []
@@ -43,7 +43,7 @@ def test_a_range_holding_no_whole_page_is_left_alone(monkeypatch):
 
 
 def test_a_kernel_without_the_advice_turns_it_off_other_errors_do_not(monkeypatch):
-    monkeypatch.setattr(prefault, "_supported", True)
+    monkeypatch.setattr(prefault, "_unsupported", set())
     failures = iter([errno.ENOMEM, errno.EINVAL])
     calls = []
 

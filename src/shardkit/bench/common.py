@@ -92,18 +92,32 @@ def write_json(rows: list[dict], path: str, **context) -> None:
         json.dump({"context": context, "rows": rows}, f, indent=2)
 
 
+def _files_under(dirs) -> list[str]:
+    return [os.path.join(root, name) for d in dirs for root, _, files in os.walk(d) for name in files]
+
+
+def evict_files(*dirs: str) -> None:
+    """Drop every file under ``dirs`` from the page cache (written back first), so the next read is cold."""
+    for path in _files_under(dirs):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def warm_files(*dirs: str) -> None:
-    """Read every file under ``dirs`` once, sequentially (untimed), so each impl's loads start warm alike.
+    """Evict every file under ``dirs``, then read each once, sequentially (untimed): all impls start warm alike.
 
     An fsync'd save bypasses the page cache (shardkit writes with ``O_DIRECT``),
-    another's leaves its pages cached, and how pages got into the cache
-    changes what a mapped load pays on first touch (a sequential read leaves
-    large folios, mapped many pages per fault); reading all files the same way
-    removes both differences.
+    another's leaves its pages cached in the folios its writes made, and how
+    pages got into the cache changes what a mapped load pays on first touch
+    (large folios are mapped many pages per fault). Evicting, then reading
+    every file the same way, removes both differences.
     """
-    for d in dirs:
-        for root, _, files in os.walk(d):
-            for name in files:
-                with open(os.path.join(root, name), "rb", buffering=0) as f:
-                    while f.read(8 << 20):
-                        pass
+    evict_files(*dirs)
+    for path in _files_under(dirs):
+        with open(path, "rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass

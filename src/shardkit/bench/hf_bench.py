@@ -1,9 +1,10 @@
 """HF-format rows: shardkit.hf save/load side by side with huggingface_hub, safetensors and transformers.
 
-Cases (BENCHMARKS.md, "HF save / load"), all warm cache: before timing, every
-impl's files are read once sequentially (``common.warm_files``), so each starts from
-the same page-cache state whoever wrote the file (shardkit's fsync'd saves
-bypass the cache; ``save_pretrained`` leaves its pages cached).
+Cases (BENCHMARKS.md, "HF save / load"), warm cache unless a row says cold:
+before timing, every impl's files are evicted and read once sequentially
+(``common.warm_files``), so each starts from the same page-cache state
+whoever wrote the file (shardkit's fsync'd saves bypass the cache;
+``save_pretrained`` leaves its pages cached in the folios its writes made).
 
 - ``hf save``: ``shardkit.hf.save_checkpoint`` vs
   ``huggingface_hub.save_torch_state_dict``, at like durability: shardkit
@@ -13,7 +14,8 @@ bypass the cache; ``save_pretrained`` leaves its pages cached).
   into the module's own memory, vs ``huggingface_hub.load_torch_model``.
 - ``hf load as dict``: ``load_checkpoint(dir, None)`` (zero-copy map by
   default) vs ``safetensors.torch.load_file`` (maps too): lazily, and with
-  every page touched; ``mmap=False`` (a copy) vs a raw read.
+  every page touched (warm; and cold: files evicted before each call, run
+  apart from the warm rows); ``mmap=False`` (a copy) vs a raw read.
 - Llama (``transformers``, at least ``LLAMA_MIN_BYTES``): ``save_pretrained``
   vs ``save_checkpoint`` (fsync'd vs save_pretrained + fsync; no fsync vs
   save_pretrained); ``from_pretrained`` (builds the model on meta, assigns
@@ -37,7 +39,8 @@ import shutil
 
 import torch
 
-from shardkit.bench.common import row, time_interleaved, warm_files
+from shardkit.bench.common import evict_files, row, time_interleaved, warm_files
+from shardkit.storage.read_ahead import wait_for_prefetch
 
 
 def _state(size_bytes: int) -> dict[str, torch.Tensor]:
@@ -119,10 +122,17 @@ def _raw_read(targets: list[torch.Tensor], path: str) -> None:
 
 def _interleaved(impls: dict, reps: int, setup=None) -> dict[str, dict]:
     """:func:`shardkit.bench.common.time_interleaved` where an impl may be ``(fn, own_setup)``;
-    ``own_setup`` (or else ``setup``) runs untimed before every call."""
+    ``own_setup`` (or else ``setup``) runs untimed before every call, after shardkit's background
+    prefetch of the previous call has drained (so it never runs inside another impl's timing)."""
     fns = {name: impl[0] if isinstance(impl, tuple) else impl for name, impl in impls.items()}
     setups = {name: impl[1] if isinstance(impl, tuple) else setup for name, impl in impls.items()}
-    return time_interleaved(fns, reps, lambda name: setups[name] and setups[name]())
+
+    def before(name):
+        wait_for_prefetch()
+        if setups[name]:
+            setups[name]()
+
+    return time_interleaved(fns, reps, before)
 
 
 def _save_rows(state, nbytes, reps, workdir) -> list[dict]:
@@ -178,9 +188,14 @@ def _load_rows(state, nbytes, reps, workdir) -> list[dict]:
         "raw": lambda: _raw_read(targets, os.path.join(hub_dir, "raw.bin")),
         "raw_fresh": lambda: _raw_read([torch.empty_like(t) for t in targets], os.path.join(hub_dir, "raw.bin")),
     }, reps)
+    cold = _interleaved({  # apart: these leave each impl's file cached the way its own load read it
+        "ours": (lambda: _touch(load_checkpoint(ours_dir, None)), lambda: evict_files(ours_dir)),
+        "st": (lambda: _touch(load_file(single)), lambda: evict_files(hub_dir)),
+    }, reps)
     shutil.rmtree(ours_dir, ignore_errors=True), shutil.rmtree(hub_dir, ignore_errors=True)
     into, lazy = "hf load into allocated module", "hf load as dict, lazy map"
     touched, copied = "hf load as dict, pages touched", "hf load as dict, copied"
+    from_disk = "hf load as dict, cold cache, pages touched"
     return [
         row(into, "shardkit", t["ours"], bytes=nbytes, note="copies into the module's memory"),
         row(into, "huggingface_hub.load_torch_model", t["hub"], bytes=nbytes),
@@ -190,6 +205,8 @@ def _load_rows(state, nbytes, reps, workdir) -> list[dict]:
         row(lazy, "safetensors.torch.load_file", t["st_lazy"], bytes=nbytes, note="copy-on-write map"),
         row(touched, "shardkit", t["ours_touch"], bytes=nbytes, note="default mmap; one byte per page read"),
         row(touched, "safetensors.torch.load_file + touch", t["st_touch"], bytes=nbytes),
+        row(from_disk, "shardkit", cold["ours"], bytes=nbytes, note="files evicted before each call"),
+        row(from_disk, "safetensors.torch.load_file + touch", cold["st"], bytes=nbytes),
         row(copied, "shardkit", t["ours_copy"], bytes=nbytes, note="mmap=False: read into fresh memory"),
         row(copied, "raw read into fresh memory", t["raw_fresh"], kind="limit", bytes=nbytes),
     ]

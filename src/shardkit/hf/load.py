@@ -71,6 +71,11 @@ def load_checkpoint(
       page cache (or disk) when first touched, and are shared with the page
       cache -- and with every other process that maps the same file -- until
       a tensor is written to;
+    - read-ahead: one background thread maps the loaded tensors' pages (only
+      theirs, with ``keys``) ahead of first use and asks for large page-cache
+      folios, so touching them costs fewer faults and a cold file is read
+      from disk while the caller starts on its first tensors
+      (``knobs.MAP_PREFETCH = False`` turns that off; see ``storage.read_ahead``);
     - copy-on-write: writing to a loaded tensor copies that page privately;
       it never reaches the file;
     - the pages are the file's: under memory pressure the kernel drops them

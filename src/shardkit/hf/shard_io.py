@@ -21,6 +21,7 @@ from shardkit.dtypes import from_safetensors_name, itemsize_bytes, to_safetensor
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.hf.untrusted import hostile_input, require_regular_file
 from shardkit.storage import BufferReader, Storage, byte_view, read_header, read_ranges, run_parallel
+from shardkit.storage.read_ahead import prefetch_mapped
 
 __all__ = ["map_shard", "read_shard", "read_shard_into", "shard_header"]
 
@@ -79,7 +80,9 @@ def map_shard(storage: Storage, path: str, names: list[str]) -> dict[str, torch.
     """``names`` from ``path`` as tensors over a copy-on-write map of the file; None if it cannot be mapped.
 
     Nothing is read now: pages come from the page cache (or disk) when the
-    tensors are first touched, and memory is shared with the page cache until
+    tensors are first touched, or earlier from a background thread that maps
+    the named tensors' pages ahead of use (``storage.read_ahead``;
+    ``knobs.MAP_PREFETCH``), and memory is shared with the page cache until
     a tensor is written to (writes stay private, never reaching the file).
     The header is checked as in :func:`read_shard`, read from the map itself. A tensor whose offset is
     not a multiple of its element size, or an empty one, is read into fresh
@@ -93,7 +96,7 @@ def map_shard(storage: Storage, path: str, names: list[str]) -> dict[str, torch.
         return None
     with BufferReader(path, mapping) as in_memory:  # the header from the map: the file is opened once
         header = _checked_header(in_memory, path)
-    out, copies = {}, []
+    out, copies, spans = {}, [], []
     for name in names:
         entry = _entry(header, path, name)
         dtype = from_safetensors_name(entry.dtype)
@@ -104,6 +107,8 @@ def map_shard(storage: Storage, path: str, names: list[str]) -> dict[str, torch.
             continue
         flat = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=entry.begin)
         out[name] = flat.view(tuple(entry.shape))
+        spans.append((entry.begin, entry.end - entry.begin))
+    prefetch_mapped(mapping, spans)  # pages mapped in the background, ahead of first touch
     if copies:
         out.update(read_shard(storage, path, copies, lambda _n, e: torch.empty(e.shape, dtype=from_safetensors_name(e.dtype))))
     return out

@@ -79,7 +79,8 @@ class Reader:
     def map_range(self, offset: int, nbytes: int) -> "memoryview | None":
         """``nbytes`` of the file at ``offset`` as a writable, copy-on-write map, or None where this reader cannot map.
 
-        Nothing is read now (pages come from the page cache when touched);
+        Nothing is read now (pages come from the page cache when touched, or
+        earlier from the background read-ahead of ``storage.read_ahead``);
         writes to the view stay private to this process and never reach the
         file. The view keeps its map alive (after :meth:`close` too). Only
         local files map; other readers return None and callers read instead.

@@ -22,6 +22,7 @@ from shardkit.storage.atomic import atomic_local_writer, fsync_dir, typed_io_err
 from shardkit.storage.base import Reader, Storage
 from shardkit.storage.lock import is_lock_name, local_writer_lock
 from shardkit.storage.memcopy import buffer_address, copy_bytes
+from shardkit.storage.read_ahead import advise_huge_pages, prefetch_mapped
 
 __all__ = ["LocalStorage", "check_regular_file"]
 
@@ -106,6 +107,8 @@ class _LocalReader(Reader):
             private = mmap.mmap(self._fd, offset + nbytes - start, access=mmap.ACCESS_COPY, offset=start)
         except (OSError, ValueError):  # not mappable: the caller reads instead
             return None
+        advise_huge_pages(private)
+        prefetch_mapped(private, [(offset - start, nbytes)])  # pages mapped in the background, ahead of use
         return memoryview(private)[offset - start:offset - start + nbytes]
 
 
@@ -258,6 +261,8 @@ class LocalStorage(Storage):
             with open(path, "rb") as f:
                 if os.fstat(f.fileno()).st_size == 0:
                     return None  # an empty file cannot be mapped
-                return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except FileNotFoundError as e:
             raise MissingShardError(f"{path} does not exist") from e
+        advise_huge_pages(mapping)  # read through this map, the file is cached in large folios
+        return mapping

@@ -22,10 +22,13 @@ import errno
 import mmap
 import sys
 
-__all__ = ["populate_for_write", "PAGE_BYTES"]
+__all__ = ["populate_for_write", "advise", "PAGE_BYTES", "MADV_HUGEPAGE", "MADV_POPULATE_READ"]
 
 PAGE_BYTES: int = mmap.PAGESIZE
-_MADV_POPULATE_WRITE = 23  # linux/mman.h; not in Python's mmap module before 3.13
+# linux/mman.h; the populate advice is not in Python's mmap module before 3.13
+MADV_HUGEPAGE = 14
+MADV_POPULATE_READ = 22
+_MADV_POPULATE_WRITE = 23
 
 
 def _load_madvise():
@@ -41,7 +44,30 @@ def _load_madvise():
 
 
 _madvise = _load_madvise()
-_supported = _madvise is not None
+_unsupported: set[int] = set() if _madvise is not None else {MADV_HUGEPAGE, MADV_POPULATE_READ, _MADV_POPULATE_WRITE}
+
+
+def advise(addr: int, nbytes: int, advice: int) -> bool:
+    """``madvise(advice)`` over the whole pages inside ``[addr, addr + nbytes)``; True if the kernel took it.
+
+    The range is rounded inwards to page boundaries (memory next to a small
+    buffer is left alone), so one holding no whole page returns False at
+    once. A kernel that does not know ``advice`` (``EINVAL`` on an aligned
+    range) turns that advice off for the rest of the process; any other
+    failure (``ENOMEM``, or ``EFAULT`` where a populate would have raised
+    SIGBUS, e.g. past the end of a truncated file) returns False. Never raises.
+    """
+    if advice in _unsupported or nbytes <= 0:
+        return False
+    start = (addr + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
+    end = (addr + nbytes) // PAGE_BYTES * PAGE_BYTES
+    if end <= start:
+        return False
+    if _madvise(start, end - start, advice) == 0:
+        return True
+    if ctypes.get_errno() == errno.EINVAL:
+        _unsupported.add(advice)
+    return False
 
 
 def populate_for_write(addr: int, nbytes: int) -> bool:
@@ -50,21 +76,8 @@ def populate_for_write(addr: int, nbytes: int) -> bool:
     Only pages lying wholly inside the range are touched (the range is
     rounded inwards to page boundaries), so memory next to a small buffer is
     left alone; a range holding no whole page returns False at once.
-    Content is not changed: pages already present stay as they are. A kernel
-    without ``MADV_POPULATE_WRITE`` (``EINVAL``) turns the call off for the
-    rest of the process; any other failure (e.g. ``ENOMEM``) returns False
-    and the caller's own writes fault the pages, as without this function.
+    Content is not changed: pages already present stay as they are. Where it
+    returns False (see :func:`advise`) the caller's own writes fault the
+    pages, as without this function.
     """
-    global _supported
-    if not _supported or nbytes <= 0:
-        return False
-    start = (addr + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
-    end = (addr + nbytes) // PAGE_BYTES * PAGE_BYTES
-    if end <= start:
-        return False
-    if _madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
-        return True
-    if ctypes.get_errno() == errno.EINVAL:  # the range is aligned: this kernel does not know the advice
-        _supported = False
-    return False
-
+    return advise(addr, nbytes, _MADV_POPULATE_WRITE)
