@@ -132,3 +132,19 @@ def test_a_private_map_asks_for_large_folios_over_the_whole_file(tmp_path, recor
 
     mapping = LocalStorage().map_private(str(_file(tmp_path, 8 * PAGE_BYTES)))
     assert recorded == [(buffer_address(mapping), 8 * PAGE_BYTES, MADV_HUGEPAGE)]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_forked_child_prefetches_on_its_own_thread(tmp_path):
+    import os
+
+    path = _file(tmp_path, 64 * PAGE_BYTES)
+    mapping = LocalStorage().map_private(str(path))
+    prefetch_mapped(mapping, [(0, len(mapping))])  # the parent's thread may be busy at the fork
+    pid = os.fork()
+    if pid == 0:
+        ok = prefetch_mapped(mapping, [(0, len(mapping))]) > 0 and wait_for_prefetch(timeout_s=30)
+        os._exit(0 if ok and mapping[:256] == bytes(range(256)) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert wait_for_prefetch(timeout_s=30)

@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import os
 import threading
 
 from shardkit import knobs
@@ -125,3 +126,14 @@ def _populate(mapping, jobs) -> None:
 
 
 _PREFETCHER = _Prefetcher()
+
+
+def _fresh_prefetcher_in_child() -> None:
+    # A forked child has no prefetch thread, and the parent's lock may have
+    # been held at the fork: start over (the parent's queue is the parent's).
+    global _PREFETCHER
+    _PREFETCHER = _Prefetcher()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_prefetcher_in_child)
