@@ -15,6 +15,8 @@ import statistics
 import time
 from typing import Callable
 
+from shardkit.storage.read_ahead import wait_for_prefetch
+
 
 def time_reps(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> dict:
     """Median/min/max seconds of ``fn()`` over ``reps`` runs (``setup()`` untimed before each)."""
@@ -36,11 +38,14 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int,
     process) over every implementation instead of charging them to whichever
     ran at that moment; the order reverses every other round, so no
     implementation always runs first or right after the same neighbour.
-    ``setup(name)`` runs untimed before each run.
+    ``setup(name)`` runs untimed before each run, after shardkit's background
+    read-ahead of the previous run (``storage.read_ahead``) has drained, so
+    it never runs inside another implementation's timing.
     """
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(max(1, reps)):
         for name, fn in (list(fns.items())[::-1] if rep % 2 else fns.items()):
+            wait_for_prefetch()
             if setup is not None:
                 setup(name)
             start = time.perf_counter()

