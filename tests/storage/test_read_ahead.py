@@ -148,3 +148,15 @@ def test_a_forked_child_prefetches_on_its_own_thread(tmp_path):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert wait_for_prefetch(timeout_s=30)
+
+
+def test_a_map_closed_before_its_turn_is_skipped_and_the_thread_goes_on(tmp_path):
+    closed = mmap.mmap(-1, 4 * PAGE_BYTES)
+    prefetch_mapped(closed, [(0, len(closed))])
+    assert wait_for_prefetch(timeout_s=30)
+    closed.close()
+    read_ahead._PREFETCHER.submit(closed, [(0, 4 * PAGE_BYTES)])  # as if closed while queued
+    assert wait_for_prefetch(timeout_s=30)
+    mapping = LocalStorage().map_private(str(_file(tmp_path, 4 * PAGE_BYTES)))
+    assert prefetch_mapped(mapping, [(0, len(mapping))]) == len(mapping)
+    assert wait_for_prefetch(timeout_s=30)

@@ -113,7 +113,10 @@ class _Prefetcher:
                 self._cond.wait_for(lambda: self._queue)
                 mapping, jobs = self._queue.popleft()
                 self._busy = True
-            _populate(mapping, jobs)
+            try:
+                _populate(mapping, jobs)
+            except (ValueError, BufferError, OSError):  # e.g. a map closed meanwhile: nothing to bring in
+                pass
             del mapping
 
 
