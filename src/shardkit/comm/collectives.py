@@ -223,7 +223,8 @@ class Collectives:
     def gather(self, tensor: torch.Tensor, root: int) -> list[torch.Tensor] | None:
         """Rank ``root`` gets every rank's ``tensor``, ordered by rank; the other ranks get None.
 
-        Each rank must pass the same shape and dtype. Every rank sends to
+        Each rank must pass the same shape and dtype (any dtype: the bytes are
+        moved). Every rank sends to
         ``root`` once (``world_size - 1`` messages in all, where ``all_gather``
         moves every tensor to every rank): the pattern for facts only one rank
         needs, such as the statuses rank 0 commits a checkpoint from.
@@ -236,15 +237,15 @@ class Collectives:
         if route == "host":
             warn_fallback("gather")
             src = tensor.detach().cpu()
-        src = src.detach().contiguous()
+        flat_in = src.detach().contiguous().reshape(-1).view(torch.uint8)   # any dtype: bytes are moved
         mine = self.rank == root
-        out = [torch.empty_like(src) for _ in range(self.world_size)] if mine else []
+        out = [torch.empty_like(flat_in) for _ in range(self.world_size)] if mine else []
         opts = dist.GatherOptions()
         opts.rootRank = root
-        self._wait(self._pg.gather([out] if mine else [], [src], opts), f"gather to rank {root}")
+        self._wait(self._pg.gather([out] if mine else [], [flat_in], opts), f"gather to rank {root}")
         if not mine:
             return None
-        return [p.to(tensor.device) for p in out] if src.device != tensor.device else out
+        return [p.view(tensor.dtype).view(tensor.shape).to(tensor.device) for p in out]
 
     def barrier(self) -> None:
         """Return once every rank of the group has called ``barrier``."""

@@ -51,14 +51,16 @@ class ProcessGroupView:
     def gather(self, tensor: torch.Tensor, root: int) -> list[torch.Tensor] | None:
         """Rank ``root`` gets every rank's ``tensor`` in rank order; the other ranks get None."""
         out = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == root else None
-        self._wait(lambda: dist.gather(tensor, out, group=self.pg, group_dst=root, async_op=True),
+        dst = dist.get_global_rank(self.pg, root)     # torch < 2.6 has no group_dst
+        self._wait(lambda: dist.gather(tensor, out, dst=dst, group=self.pg, async_op=True),
                    f"gather to rank {root}")
         return out
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         """A new tensor holding rank ``root``'s ``tensor``; the input is left untouched."""
         out = tensor.detach().clone(memory_format=torch.contiguous_format)
-        self._wait(lambda: dist.broadcast(out, group=self.pg, group_src=root, async_op=True),
+        src = dist.get_global_rank(self.pg, root)
+        self._wait(lambda: dist.broadcast(out, src=src, group=self.pg, async_op=True),
                    f"broadcast from rank {root}")
         return out
 
