@@ -126,7 +126,7 @@ def _save_on_threads(states, directory):
     counted = [0] * len(states)
     errors = [None] * len(states)
 
-    def observe(rank, collectives, received_bytes):
+    def observe(rank, collectives, received_bytes, sent_bytes):
         counted[rank] += collectives
 
     def run(g):
@@ -160,15 +160,16 @@ def test_a_state_that_differs_on_one_rank_gives_the_detailed_error_on_every_rank
     for e in errors:
         assert isinstance(e, TensorMismatchError) and isinstance(e, CheckpointError), e
         assert __import__("re").search(match, str(e)), str(e)
-    assert counted == [4] * 3               # the compact exchange, then the full one (2 collectives each)
+    # The compact round (a gather and a broadcast), then the full exchange of boxes (2 all-gathers).
+    assert counted == [4] * 3
     assert not (tmp_path / "ck" / "metadata.json").exists()
 
 
-def test_an_agreed_state_saves_with_four_exchanges(tmp_path):
+def test_an_agreed_state_saves_in_three_rounds_of_a_gather_and_a_broadcast(tmp_path):
     state = {"w": torch.ones(4), "b": torch.zeros(2), "step": 3}
     errors, counted = _save_on_threads([state] * 3, str(tmp_path / "ck"))
     assert errors == [None] * 3
-    assert counted == [8] * 3
+    assert counted == [6] * 3       # prepare, withdraw, write and commit: a gather and a broadcast each
 
 
 def test_rank_0_refuses_a_file_that_is_not_the_planned_one():

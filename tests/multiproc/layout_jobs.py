@@ -34,7 +34,7 @@ def random_state(seed: int, meshes) -> dict:
 def count_collectives(fn) -> int:
     counted = []
 
-    def observe(rank, collectives, received_bytes):
+    def observe(rank, collectives, received_bytes, sent_bytes):
         counted.append(collectives)
 
     EXCHANGE_OBSERVERS.append(observe)
@@ -57,7 +57,7 @@ def every_box(state) -> list[dict]:
 
 
 def layout_job(rank, world_size, root, seeds):
-    """Per seed: the predicted boxes are the held ones, the save takes the compact path (8
+    """Per seed: the predicted boxes are the held ones, the save takes the compact path (6
     collectives), and the box reports every rank holds (for the test to compare with metadata.json)."""
     meshes = [init_device_mesh("cpu", (world_size,)),
               init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("a", "b"))]

@@ -9,17 +9,17 @@ How it measures (``shardkit bench --only scale`` or ``python -m shardkit.bench.s
   (the layout FSDP gives: every tensor has ``ranks`` chunks, so
   ``metadata.json`` holds ranks x tensors chunk records), plus ``tensors``
   replicated tiny plain tensors (written once each);
-- rank 0's received bytes and collectives are counted by
+- rank 0's received and sent bytes and collectives are counted by
   ``checkpoint.group.EXCHANGE_OBSERVERS`` during the save;
 - "save wall" is the whole collective save (all ranks share the GIL, so it sums
   every rank's work); "rank0 save cpu" is rank 0's own thread CPU time (what one
   rank pays on a real cluster); "ranks save cpu" the sum over every rank's
-  thread; "exchanges wall" the wall time of a save's 4 exchanges alone (tiny
-  statuses, 8 all-gathers on the same thread ranks): the floor the
-  collectives set. An all-gather hands every rank every other rank's
-  payload, so on N threads it costs about N x N message hand-offs: the
-  thread-rank save wall grows faster than linearly in N even where each
-  rank's own work is linear; "load" is one rank's ``load`` (it issues no
+  thread; "exchanges wall" the wall time of a save's collectives alone: its
+  3 rounds (``agreement.agree``: a gather of tiny statuses to rank 0 and a
+  broadcast of rank 0's verdict, each round in the slot the save uses) on
+  the same thread ranks, the floor the collectives set. A gather or a
+  broadcast is N - 1 message hand-offs on N ranks (an all-gather would be
+  N x (N - 1)); "load" is one rank's ``load`` (it issues no
   collective), run alone, the faster of ranks 0 and ranks-1;
 - the growth exponent of each column is the slope of a least-squares line of
   log(column) against log(ranks x tensors): 1 is linear, 2 quadratic.
@@ -45,7 +45,7 @@ import time
 DEFAULT_RANKS = (8, 32, 64)
 DEFAULT_TENSORS = 32
 COLUMNS = ("metadata_bytes", "save_wall_s", "rank0_save_cpu_s", "ranks_save_cpu_s", "exchanges_wall_s", "load_s",
-           "rank0_recv_bytes", "rank0_collectives")
+           "rank0_recv_bytes", "rank0_sent_bytes", "rank0_collectives")
 
 
 def _states(rank: int, tensors: int):
@@ -79,18 +79,20 @@ def _on_threads(groups, fn, join_timeout_s: float) -> list:
 
 
 def save_counted(groups, tensors: int, directory: str, join_timeout_s: float = 300.0) -> dict:
-    """Save on every group of ``groups`` (one thread each); rank 0's received bytes/collectives and times."""
+    """Save on every group of ``groups`` (one thread each); rank 0's bytes received and sent, collectives
+    and times."""
     from shardkit.checkpoint import save
     from shardkit.checkpoint.group import EXCHANGE_OBSERVERS
 
-    counted = {"rank0_recv_bytes": 0, "rank0_collectives": 0, "rank0_exchanges": 0}
+    counted = {"rank0_recv_bytes": 0, "rank0_sent_bytes": 0, "rank0_collectives": 0, "rank0_exchanges": 0}
     lock = threading.Lock()
 
-    def observe(rank, collectives, received_bytes):
+    def observe(rank, collectives, received_bytes, sent_bytes):
         if rank == 0:
             with lock:
                 counted["rank0_collectives"] += collectives
                 counted["rank0_recv_bytes"] += received_bytes
+                counted["rank0_sent_bytes"] += sent_bytes
                 counted["rank0_exchanges"] += 1
 
     def one(g):
@@ -112,12 +114,14 @@ def save_counted(groups, tensors: int, directory: str, join_timeout_s: float = 3
 
 
 def exchanges_only(groups, join_timeout_s: float = 300.0) -> float:
-    """Wall seconds of a save's 4 exchanges of a tiny status on every group of ``groups``."""
-    from shardkit.checkpoint.group import exchange
+    """Wall seconds of a save's 3 rounds (gather a tiny status to rank 0, broadcast its verdict) in the
+    save's own slots, on every group of ``groups``."""
+    from shardkit.checkpoint.agreement import agree
+    from shardkit.checkpoint.chunked_save import ROUND_SLOTS
 
     def one(g):
-        for step in ("layouts", "withdraw", "write", "commit"):
-            exchange(g, {"error": None}, step)
+        for step, slot_bytes in ROUND_SLOTS:
+            agree(g, {"error": None}, None, step, on_root=lambda statuses: True, slot_bytes=slot_bytes)
 
     start = time.perf_counter()
     _on_threads(groups, one, join_timeout_s)

@@ -5,19 +5,27 @@ Steps (FORMAT.md invariants 1-3, as ``save_distributed``):
 1. :func:`prepare`: flatten the state, find each tensor's box
    (``dtensor_layout``) and describe the layout compactly
    (``compact_layout``: per tensor its shape, dtype and plain / row / mesh
-   layout, equal on every rank). The ranks exchange O(1) facts each: the
-   description's digest, their global rank (hence their mesh coordinates),
-   whether their own boxes are the predicted ones, any error, and their
-   ``rank_state`` plain leaves. When all agree, each rank computes what it
-   writes itself (``writer_choice``); otherwise a second exchange gathers
-   every rank's boxes and ``chunk_plan`` plans from them (its errors name the
-   rank that differs). Every rank fails together on a bad state.
+   layout, equal on every rank). Each rank sends rank 0 O(1) facts: the
+   description's digest, its global rank (hence its mesh coordinates),
+   whether its own boxes are the predicted ones, any error, and its
+   ``rank_state`` plain leaves. Rank 0 tells every rank whether all agree;
+   then each rank computes what it writes itself (``writer_choice``);
+   otherwise an all-gather exchange hands every rank every rank's boxes and
+   ``chunk_plan`` plans from them (its errors name the rank that differs).
+   Every rank fails together on a bad state.
 2. :func:`write_and_commit`: rank 0 withdraws an old ``metadata.json``; every
    rank writes ``rank_<r>.safetensors`` with the boxes it was given (possibly
    none) and reports its file record and its header's digest; rank 0
    computes the whole plan and every file's byte ranges (``file_layout``),
    checks each reported file against them and writes ``metadata.json``
    (version 2: every tensor by its chunks) last.
+
+Collectives: three rounds (prepare; lock and withdraw; write and commit),
+each one gather of the ranks' statuses to rank 0 and one broadcast of its
+verdict (``agreement.agree``): 6 collectives of O(ranks) messages each. A
+status longer than its round's slot (``ROUND_SLOTS``; e.g. a file record
+with many block checksums) adds a broadcast and a gather to its round; the
+fallback adds an all-gather exchange (2 all-gathers).
 
 Rank 0 receives O(ranks + tensors) bytes per save on the agreed path (plus
 the ranks' ``rank_state`` plain leaves and block checksums, which grow with
@@ -46,13 +54,14 @@ from shardkit.checkpoint.chunk_plan import ChunkPlan, plan_chunks
 from shardkit.checkpoint.chunks import Chunk
 from shardkit.checkpoint.compact_layout import Description, describe, own_boxes_agree, prediction_trusted
 from shardkit.checkpoint.dtensor_layout import local_box
-from shardkit.checkpoint.group import exchange
+from shardkit.checkpoint.agreement import agree, attempt, describe as describe_error
+from shardkit.checkpoint.group import SLOT_BYTES, exchange
 from shardkit.checkpoint.manifest import (
     CHUNKED_VERSION, METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, write_json,
 )
 from shardkit.checkpoint.nested import flatten
 from shardkit.checkpoint.rank_state import check_reserved, rank_state_objects, rank_state_report
-from shardkit.checkpoint.distributed_save import _attempt, _describe, _raise_first, _user_metadata, _withdraw
+from shardkit.checkpoint.distributed_save import _user_metadata, _withdraw
 from shardkit.checkpoint.spec import TensorShardSpec
 from shardkit.checkpoint.writer_choice import full_plan, own_writes
 from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes, to_safetensors_name
@@ -75,6 +84,13 @@ class Prepared:
 
 
 _WITHDRAW_STEP = "locking the directory and withdrawing the previous metadata"
+#: Gather slots (group.settle) that fit the usual status: an error-only one, and the layout facts
+#: (a longer status, e.g. with rank_state plain leaves, still goes through, in one more gather).
+_ERROR_SLOT_BYTES = 32
+_LAYOUT_SLOT_BYTES = 160
+#: The save's rounds (step, gather slot) in order: what ``bench/scale_bench.py`` times alone.
+ROUND_SLOTS = (("preparing the save", _LAYOUT_SLOT_BYTES), (_WITHDRAW_STEP, _ERROR_SLOT_BYTES),
+               ("writing the data files", SLOT_BYTES))
 
 
 def _all(coordinator, value, step: str) -> list:
@@ -127,22 +143,29 @@ def prepare(state_dict, coordinator, rank: int, world_size: int, metadata=None, 
     """Plan a chunked save; a collective on ``coordinator`` (None: one process). Writes nothing.
 
     ``rank_state``: per-rank values (``rank_state.py``), stored beside the state."""
-    mine, exc = _attempt(lambda: _mine(state_dict, rank_state, rank, world_size, metadata))
-    statuses = _all(coordinator, {"error": _describe(exc), "digest": mine.desc.digest() if mine else None,
+    mine, exc = attempt(lambda: _mine(state_dict, rank_state, rank, world_size, metadata))
+    at_root: dict = {}
+
+    def decide(statuses: list[dict]) -> bool:          # rank 0: may every rank plan from the compact layout?
+        global_ranks = [s["global_rank"] for s in statuses]
+        at_root.update(global_ranks=global_ranks, objects=rank_state_objects(statuses))
+        return (len({s["digest"] for s in statuses}) == 1 and all(s["agree"] for s in statuses)
+                and prediction_trusted(mine.desc, global_ranks))
+
+    compact = agree(coordinator, {"error": describe_error(exc), "digest": mine.desc.digest() if mine else None,
                                   "global_rank": mine.global_rank if mine else None,
                                   "agree": mine.boxes_agree if mine else False,
-                                  "rank_objects": mine.rank_objects if mine else None}, "exchanging the layouts")
-    _raise_first(statuses, exc, "preparing the save")
-    global_ranks = [s["global_rank"] for s in statuses]
-    if (len({s["digest"] for s in statuses}) == 1 and all(s["agree"] for s in statuses)
-            and prediction_trusted(mine.desc, global_ranks)):
+                                  "rank_objects": mine.rank_objects if mine else None},
+                    exc, "preparing the save", on_root=decide, slot_bytes=_LAYOUT_SLOT_BYTES)
+    if compact:
         writes = own_writes(mine.desc, rank, world_size, mine.global_rank, mine.boxes)
-        plan_all = lambda: full_plan(mine.desc, global_ranks, world_size)  # noqa: E731
+        plan_all = lambda: full_plan(mine.desc, at_root["global_ranks"], world_size)  # noqa: E731 - rank 0
     else:
         reports = _all(coordinator, mine.report(), "exchanging every rank's boxes (the compact layouts differ)")
         plan = plan_chunks(reports, lambda d: itemsize_bytes(NAME_TO_DTYPE[d]))
         writes, plan_all = plan.writes[rank], lambda: plan
-    objects = {**mine.flat.objects, **rank_state_objects(statuses)}
+    # Every rank's plain per-rank leaves reach rank 0 only, which alone writes metadata.json.
+    objects = {**mine.flat.objects, **at_root.get("objects", mine.rank_objects)}
     return Prepared(rank, world_size, plan_all, {n: mine.local[n] for n in writes}, objects,
                     mine.flat.structure, mine.user_metadata)
 
@@ -219,14 +242,13 @@ def _write_and_commit_locked(prep: Prepared, storage: Storage, directory: str, c
             before_write()
         _withdraw(storage, directory, prep.rank)
 
-    _, exc = _attempt(withdraw)
-    _raise_first(_all(coordinator, {"error": _describe(exc)}, _WITHDRAW_STEP), exc, _WITHDRAW_STEP)
-    written, exc = _attempt(lambda: _write_file(storage, directory, prep))
-    statuses = _all(coordinator, {"error": _describe(exc), "written": written}, "writing the data files")
-    _raise_first(statuses, exc, "writing the data files")
-    exc = None
-    if prep.rank == 0:
-        manifest_of = lambda: _manifest(prep, [s["written"] for s in statuses])  # noqa: E731
-        _, exc = _attempt(lambda: write_json(storage, storage.join(directory, METADATA_FILE),
-                                             manifest_to_json(manifest_of())))
-    _raise_first(_all(coordinator, {"error": _describe(exc)}, "writing metadata.json"), exc, "writing metadata.json")
+    _, exc = attempt(withdraw)
+    agree(coordinator, {"error": describe_error(exc)}, exc, _WITHDRAW_STEP, slot_bytes=_ERROR_SLOT_BYTES)
+    written, exc = attempt(lambda: _write_file(storage, directory, prep))
+
+    def commit(statuses: list[dict]) -> None:            # rank 0, once every rank wrote its file
+        write_json(storage, storage.join(directory, METADATA_FILE),
+                   manifest_to_json(_manifest(prep, [s["written"] for s in statuses])))
+
+    agree(coordinator, {"error": describe_error(exc), "written": written}, exc, "writing the data files",
+          on_root=commit, root_step="writing metadata.json")

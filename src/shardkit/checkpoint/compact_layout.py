@@ -186,8 +186,8 @@ def coordinate_map(desc: Description, global_ranks: list[int | None]) -> dict[in
 
 
 def prediction_trusted(desc: Description, global_ranks: list[int | None]) -> bool:
-    """Whether the predicted boxes tile every tensor, every mesh member saving: every rank computes the
-    same answer from the same exchanged facts. Shard / Replicate layouts tile by construction (each
+    """Whether the predicted boxes tile every tensor, every mesh member saving: rank 0 answers from
+    every rank's gathered facts and tells the others (``chunked_save.prepare``). Shard / Replicate layouts tile by construction (each
     mesh dimension splits a tensor dimension as ``torch.chunk`` does); any other placement
     (``_StridedShard``) is checked box by box once per distinct layout."""
     if coordinate_map(desc, global_ranks) is None:

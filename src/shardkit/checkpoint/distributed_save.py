@@ -18,8 +18,10 @@ Order of a save (FORMAT.md invariants 1-3):
    ``rank_<r>.json`` with its record;
 6. rank 0 writes ``metadata.json``; the lock is released.
 
-With a group, ranks agree at each step (a pickle-free all-gather of small
-JSON statuses): nobody writes data before rank 0 has withdrawn the old
+With a group, ranks agree at each of three steps (``agreement.agree``: the
+ranks' small JSON statuses are gathered to rank 0, which broadcasts its
+verdict; no pickle, O(ranks) messages a step): prepare and lock, withdraw,
+write and commit. Nobody writes data before rank 0 has withdrawn the old
 metadata, and rank 0 commits only after every rank reported its file
 (their records go into ``metadata.json``); a failure on any rank fails the
 save on every rank. Without a group each rank proceeds alone, as in the
@@ -62,7 +64,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from shardkit.checkpoint.group import exchange, resolve_group
+from shardkit.checkpoint.agreement import FIRST_STEP, agree, attempt, describe
+from shardkit.checkpoint.group import resolve_group
 from shardkit.checkpoint.logs import logged
 from shardkit.checkpoint.manifest import (
     METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_json,
@@ -72,12 +75,14 @@ from shardkit.checkpoint.nested import Flat, flatten
 from shardkit.checkpoint.plan import SavePlan, plan_save
 from shardkit.checkpoint.spec import TensorShardSpec, as_spec_dict, check_local_tensor, check_world
 from shardkit.dtypes import to_safetensors_name
-from shardkit.errors import CheckpointBusyError, CheckpointError, CheckpointExistsError, TensorMismatchError
+from shardkit.errors import CheckpointExistsError, TensorMismatchError
 from shardkit.storage import FileRecord, Storage, storage_for, write_safetensors
 
 __all__ = ["save_distributed"]
 
-_FIRST_STEP = "preparing and locking the save"
+#: Gather slots (group.settle) that fit the usual status: an error-only one, and one with a layout digest.
+_ERROR_SLOT_BYTES = 32
+_STATUS_SLOT_BYTES = 96
 
 
 @dataclass
@@ -246,55 +251,31 @@ def _save_alone(storage: Storage, directory: str, prep: _Prepared, *, refuse_exi
 
 def _save_with_group(storage: Storage, directory: str, coordinator, prepare) -> None:
     with contextlib.ExitStack() as held:
-        prep, exc = _attempt(prepare)
+        prep, exc = attempt(prepare)
         if prep is not None:
             # Locked before the first exchange: a busy directory fails every rank untouched.
-            _, exc = _attempt(lambda: held.enter_context(_lock(storage, directory, prep.plan)))
+            _, exc = attempt(lambda: held.enter_context(_lock(storage, directory, prep.plan)))
         _save_locked(storage, directory, coordinator, prep, exc)
 
 
 def _save_locked(storage: Storage, directory: str, coordinator, prep: _Prepared | None, exc) -> None:
-    statuses = exchange(coordinator, {"error": _describe(exc), "digest": prep.digest if prep else None}, _FIRST_STEP)
-    _raise_first(statuses, exc, _FIRST_STEP)
-    if len({s["digest"] for s in statuses}) > 1:
+    # Three steps, each one gather to rank 0 and one broadcast of its verdict (agreement.py).
+    same_layout = agree(coordinator, {"error": describe(exc), "digest": prep.digest if prep else None}, exc,
+                        FIRST_STEP, on_root=lambda statuses: len({s["digest"] for s in statuses}) == 1,
+                        slot_bytes=_STATUS_SLOT_BYTES)
+    if not same_layout:
         raise TensorMismatchError(
             "ranks disagree on the tensors to save (names, shapes, dtypes or shard specs differ "
             "between ranks); every rank must pass the same structure and shard_spec")
     rank = prep.plan.rank
-    _, exc = _attempt(lambda: _withdraw(storage, directory, rank))
-    _raise_first(exchange(coordinator, {"error": _describe(exc)}, "withdrawing the previous metadata"), exc,
-                 "withdrawing the previous metadata")
-    records, exc = _attempt(lambda: _write_rank_files(storage, directory, prep))
-    statuses = exchange(coordinator, {"error": _describe(exc),
-                                      "files": {f: r.to_json() for f, r in (records or {}).items()}}, "writing the data files")
-    _raise_first(statuses, exc, "writing the data files")
-    exc = None
-    if rank == 0:
-        every = {f: FileRecord.from_json(f, r) for s in statuses for f, r in s["files"].items()}
-        _, exc = _attempt(lambda: _commit(storage, directory, prep, every))
-    _raise_first(exchange(coordinator, {"error": _describe(exc)}, "writing metadata.json"), exc,
-                 "writing metadata.json")
+    _, exc = attempt(lambda: _withdraw(storage, directory, rank))
+    agree(coordinator, {"error": describe(exc)}, exc, "withdrawing the previous metadata",
+          slot_bytes=_ERROR_SLOT_BYTES)
+    records, exc = attempt(lambda: _write_rank_files(storage, directory, prep))
 
+    def commit(statuses: list[dict]) -> None:            # rank 0, once every rank wrote its file
+        _commit(storage, directory, prep, {f: FileRecord.from_json(f, r) for s in statuses
+                                           for f, r in s["files"].items()})
 
-def _attempt(fn):
-    """``(result, None)`` or ``(None, exception)``: a rank's failure must reach the others, not hang them."""
-    try:
-        return fn(), None
-    except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
-        return None, e
-
-
-def _describe(exc: BaseException | None) -> str | None:
-    return None if exc is None else f"{type(exc).__name__}: {exc}"
-
-
-def _raise_first(statuses: list[dict], own: BaseException | None, step: str) -> None:
-    if own is not None:
-        raise own
-    failed = [(r, s["error"]) for r, s in enumerate(statuses) if s.get("error")]
-    if failed:
-        rank, message = failed[0]
-        kind = CheckpointBusyError if message.startswith(f"{CheckpointBusyError.__name__}:") else CheckpointError
-        outcome = ("nothing was written" if step == _FIRST_STEP
-                   else "this checkpoint is incomplete (metadata.json was not written)")
-        raise kind(f"the save failed on rank {rank} while {step}: {message}; {outcome}")
+    agree(coordinator, {"error": describe(exc), "files": {f: r.to_json() for f, r in (records or {}).items()}},
+          exc, "writing the data files", on_root=commit, root_step="writing metadata.json")

@@ -48,7 +48,7 @@ from shardkit.checkpoint.api import (
     background_coordinator, load, resolve_world, stage_for_background, start_background,
 )
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
-from shardkit.checkpoint.group import exchange
+from shardkit.checkpoint.group import broadcast_json
 from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
 from shardkit.errors import CheckpointError, MetadataError
 from shardkit.storage import Storage, storage_for
@@ -142,7 +142,7 @@ class CheckpointManager:
         self.wait()
         chosen = self.latest_step() if step is None else step
         if self._coordinator is not None:
-            chosen = exchange(self._coordinator, chosen)[0]      # rank 0 decides: every rank loads the same
+            chosen = broadcast_json(self._coordinator, chosen, "choosing the step to restore")  # rank 0 decides
         if chosen is None:
             return None
         if not self._complete(chosen):

@@ -66,7 +66,7 @@ def rank_state_report(rank_state, rank: int, world_size: int) -> tuple[dict, dic
 
 
 def rank_state_objects(statuses: list[dict]) -> dict[str, Any]:
-    """Every rank's plain per-rank leaves, from the exchanged statuses."""
+    """Every rank's plain per-rank leaves, from the statuses gathered to rank 0."""
     out: dict[str, Any] = {}
     for s in statuses:
         out.update(s.get("rank_objects") or {})

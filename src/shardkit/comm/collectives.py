@@ -220,6 +220,33 @@ class Collectives:
         parts = [c.view(tensor.dtype).view(tensor.shape) for c in flat_out.chunk(self.world_size)]
         return [p.to(tensor.device) for p in parts] if src is not tensor else parts
 
+    def gather(self, tensor: torch.Tensor, root: int) -> list[torch.Tensor] | None:
+        """Rank ``root`` gets every rank's ``tensor``, ordered by rank; the other ranks get None.
+
+        Each rank must pass the same shape and dtype (any dtype: the bytes are
+        moved). Every rank sends to
+        ``root`` once (``world_size - 1`` messages in all, where ``all_gather``
+        moves every tensor to every rank): the pattern for facts only one rank
+        needs, such as the statuses rank 0 commits a checkpoint from.
+        """
+        tensor = _one_tensor(tensor, "gather")
+        self._check_rank(root, "root", "gather")
+        route = self._route([tensor], "gather")
+        self._check_same_args("gather", [tensor], f"root={root}")
+        src = tensor
+        if route == "host":
+            warn_fallback("gather")
+            src = tensor.detach().cpu()
+        flat_in = src.detach().contiguous().reshape(-1).view(torch.uint8)   # any dtype: bytes are moved
+        mine = self.rank == root
+        out = [torch.empty_like(flat_in) for _ in range(self.world_size)] if mine else []
+        opts = dist.GatherOptions()
+        opts.rootRank = root
+        self._wait(self._pg.gather([out] if mine else [], [flat_in], opts), f"gather to rank {root}")
+        if not mine:
+            return None
+        return [p.view(tensor.dtype).view(tensor.shape).to(tensor.device) for p in out]
+
     def barrier(self) -> None:
         """Return once every rank of the group has called ``barrier``."""
         self._check_usable("barrier")
