@@ -99,6 +99,12 @@ STAGING_PREFAULT: bool = True
 MMAP_READS: bool = True
 MMAP_READ_MIN_BYTES: int = 1024 * 1024
 
+#: A local file smaller than this (known before it is written) is written and
+#: hashed inline by the calling thread, with plain writes made durable by the
+#: publish's fsync: no thread start-ups, no ``O_DIRECT`` bounce buffers, which
+#: cost more than the write for a few MiB (a rank's file of small tensors).
+SMALL_FILE_BYTES: int = 4 * 1024 * 1024
+
 #: Threads issuing positional writes into one local file. The hashing thread
 #: runs beside them, so half the cores (at most 4) keeps both busy.
 WRITE_THREADS: int = max(1, min(4, (os.cpu_count() or 2) // 2))

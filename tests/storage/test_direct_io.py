@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is
 def small_blocks(monkeypatch):
     monkeypatch.setattr(knobs, "DIRECT_IO_BLOCK_BYTES", 2 * ALIGN_BYTES)
     monkeypatch.setattr(knobs, "DIRECT_IO_QUEUE_DEPTH", 2)
+    monkeypatch.setattr(knobs, "SMALL_FILE_BYTES", 0)  # small files too take the path under test
 
 
 def _write_pieces(path, pieces: list[bytes]) -> bool:

@@ -41,6 +41,7 @@ def small_buffers_one_thread(monkeypatch):
     # Small blocks: many buffer hand-offs per file, so shared buffers would collide every time.
     monkeypatch.setattr(knobs, "DIRECT_IO_BLOCK_BYTES", 16 * ALIGN_BYTES)
     monkeypatch.setattr(knobs, "DIRECT_IO_QUEUE_DEPTH", 2)
+    monkeypatch.setattr(knobs, "SMALL_FILE_BYTES", 0)  # small files too take the path under test
     # A child that inherits torch's OpenMP team from its parent hangs in its first parallel op.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -55,12 +55,14 @@ def _failing(code: int):
 
 
 @pytest.mark.parametrize("code", sorted(FAILURES))
-@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("sink", ["direct", "buffered", "inline"])
 def test_a_failing_data_write_raises_checkpoint_io_error_and_keeps_the_old_checkpoint(tmp_path, monkeypatch,
-                                                                                      code, direct_io):
+                                                                                      code, sink):
     from shardkit import knobs
 
-    monkeypatch.setattr(knobs, "DIRECT_IO", direct_io)
+    monkeypatch.setattr(knobs, "DIRECT_IO", sink == "direct")
+    # This small file takes the path under test; "inline": written by the calling thread.
+    monkeypatch.setattr(knobs, "SMALL_FILE_BYTES", 1 << 30 if sink == "inline" else 0)
     save_distributed(_state(1.0), str(tmp_path / "step-1"), 0, 1, None)
     monkeypatch.setattr(os, "pwrite", _failing(code))
     with pytest.raises(CheckpointIOError) as info:

@@ -237,10 +237,14 @@ class Storage:
         (``torch.load``, ``zipfile``). Prefer :meth:`open_reader` for byte ranges."""
         raise NotImplementedError
 
-    def open_sink(self, f: BinaryIO, durable: bool = True, checksum: bool = False):
+    def open_sink(self, f: BinaryIO, durable: bool = True, checksum: bool = False, size_bytes: int | None = None):
         """The fastest way this store takes a file's bytes in order, given the file
         object :meth:`atomic_writer` yielded: an object with ``write(piece)``,
         ``drain()`` (wait for what was handed over), ``close()`` and ``hasher``.
+
+        ``size_bytes``, the file's final size where the caller knows it, lets
+        a backend write a small file more simply (the local one writes files
+        under ``knobs.SMALL_FILE_BYTES`` inline: no threads, no ``O_DIRECT``).
 
         ``hasher`` is a ``BlockHasher`` of the bytes the sink wrote from its own
         buffers when ``checksum`` is asked and the sink copies (the local

@@ -234,12 +234,14 @@ class LocalStorage(Storage):
         except FileNotFoundError as e:
             raise MissingShardError(f"{path} does not exist") from e
 
-    def open_sink(self, f, durable: bool = True, checksum: bool = False):
+    def open_sink(self, f, durable: bool = True, checksum: bool = False, size_bytes: int | None = None):
         """``O_DIRECT`` for durable writes where the file system takes it, else
-        positional buffered writes from a few threads (``storage.writer``)."""
+        positional buffered writes from a few threads (``storage.writer``);
+        a small file (``size_bytes`` under ``knobs.SMALL_FILE_BYTES``) is
+        written inline by the calling thread, made durable by the publish's fsync."""
         from shardkit.storage.writer import _local_sink  # the sinks live beside the writer
 
-        return _local_sink(f.fileno(), durable, checksum)
+        return _local_sink(f.fileno(), durable, checksum, size_bytes)
 
     def open_reader(self, path: str) -> Reader:
         try:

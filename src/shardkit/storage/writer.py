@@ -92,10 +92,11 @@ def write_safetensors(
     order = [named_tensors[i] for i in layout.order]
     header = layout.header
     hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES) if checksum else None
-    # One hashing worker keeps the updates in file order.
-    with ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash") as hashing:
+    small = layout.size_bytes < knobs.SMALL_FILE_BYTES
+    # One hashing worker keeps the updates in file order; a small file is hashed inline.
+    with _InlineCalls() if small else ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash") as hashing:
         with storage.atomic_writer(path, durable) as f:
-            sink = storage.open_sink(f, durable, checksum)
+            sink = storage.open_sink(f, durable, checksum, size_bytes=layout.size_bytes)
             try:
                 for view, lazy in _views(header, order):
                     for start in range(0, len(view), knobs.IO_CHUNK_BYTES):
@@ -139,9 +140,30 @@ def _views(header: bytes, order: list[tuple[str, TensorLike]]):
         yield byte_view(_materialise(t)), isinstance(t, LazyTensor)
 
 
-def _local_sink(fd: int, durable: bool, checksum: bool = False):
+class _InlineCalls:
+    """An executor whose ``submit`` runs the call at once, in order: a small file is not worth a thread."""
+
+    def submit(self, fn, *args) -> Future:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future, as a pool would
+            done.set_exception(e)
+        return done
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _local_sink(fd: int, durable: bool, checksum: bool = False, size_bytes: int | None = None):
     """Direct I/O for durable writes where the file system takes it (hashing the bytes it writes
-    when ``checksum``), else positional buffered writes (``LocalStorage.open_sink``)."""
+    when ``checksum``), else positional buffered writes (``LocalStorage.open_sink``); a file
+    known to be under ``knobs.SMALL_FILE_BYTES`` is written inline (the publish's fsync makes it durable)."""
+    if size_bytes is not None and size_bytes < knobs.SMALL_FILE_BYTES:
+        return _PositionalSink(fd, start_writeback=False, threads=0)
     hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES) if checksum else None
     direct = open_direct_sink(fd, hasher) if durable else None
     return direct if direct is not None else _PositionalSink(fd, durable)
@@ -151,18 +173,23 @@ class _PositionalSink:
     """Positional writes from a thread pool, each chunk's writeback started at once.
 
     At most about ``2 * WRITE_THREADS`` chunks are in flight, so a lazy tensor's
-    memory is released soon after its bytes are written.
+    memory is released soon after its bytes are written. ``threads=0`` writes
+    each piece inline, in the caller's thread.
     """
 
     hasher = None  # writes the caller's memory itself: the source's hashes are the written bytes'
 
-    def __init__(self, fd: int, start_writeback: bool = True):
+    def __init__(self, fd: int, start_writeback: bool = True, threads: int | None = None):
         self._fd, self._offset, self._writeback = fd, 0, start_writeback
-        self._threads = max(1, knobs.WRITE_THREADS)
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="shardkit-write")
+        self._threads = max(1, knobs.WRITE_THREADS) if threads is None else threads
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="shardkit-write") if self._threads else None
         self._pending: collections.deque[Future] = collections.deque()
 
     def write(self, piece: memoryview) -> None:
+        if self._pool is None:
+            self._pwrite(piece, self._offset)
+            self._offset += len(piece)
+            return
         while len(self._pending) >= 2 * self._threads:
             self._pending.popleft().result()
         self._pending.append(self._pool.submit(self._pwrite, piece, self._offset))
@@ -184,4 +211,5 @@ class _PositionalSink:
         try:
             self.drain()
         finally:
-            self._pool.shutdown(wait=True)
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)

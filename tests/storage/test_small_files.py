@@ -1,0 +1,44 @@
+"""Small local files are written inline (no threads, no O_DIRECT), byte for byte as the threaded paths write them."""
+
+import pytest
+import torch
+
+from shardkit import knobs
+from shardkit.checkpoint import load_distributed, save_distributed, validate_distributed
+from shardkit.storage import LocalStorage, write_safetensors, writer
+
+
+def _state():
+    return {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16),
+            "empty": torch.zeros(0, 4), "scalar": torch.tensor(7, dtype=torch.int64)}
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_small_file_is_written_without_threads_and_equals_the_threaded_write(tmp_path, monkeypatch, durable):
+    named = sorted(_state().items())
+    monkeypatch.setattr(knobs, "SMALL_FILE_BYTES", 0)
+    threaded = write_safetensors(LocalStorage(), str(tmp_path / "threaded.safetensors"), named, durable=durable)
+    monkeypatch.setattr(knobs, "SMALL_FILE_BYTES", 1 << 20)
+    monkeypatch.setattr(writer, "ThreadPoolExecutor", lambda *a, **k: pytest.fail("a small file started a thread pool"))
+    inline = write_safetensors(LocalStorage(), str(tmp_path / "inline.safetensors"), named, durable=durable)
+    assert (tmp_path / "inline.safetensors").read_bytes() == (tmp_path / "threaded.safetensors").read_bytes()
+    assert inline == threaded  # same size and block checksums
+
+
+def test_a_file_at_the_threshold_takes_the_threaded_path(tmp_path, monkeypatch):
+    named = [("w", torch.ones(1024))]
+    monkeypatch.setattr(knobs, "SMALL_FILE_BYTES", 1)
+    started = []
+    real = writer.ThreadPoolExecutor
+    monkeypatch.setattr(writer, "ThreadPoolExecutor", lambda *a, **k: started.append(1) or real(*a, **k))
+    write_safetensors(LocalStorage(), str(tmp_path / "w.safetensors"), named)
+    assert started
+
+
+def test_a_distributed_save_of_small_tensors_round_trips_and_validates(tmp_path, monkeypatch):
+    monkeypatch.setattr(knobs, "SMALL_FILE_BYTES", 1 << 20)
+    save_distributed(_state(), str(tmp_path / "ck"), 0, 1, None)
+    assert validate_distributed(str(tmp_path / "ck"))
+    loaded = load_distributed(str(tmp_path / "ck"), 0, 1, verify=True)
+    for name, t in _state().items():
+        assert torch.equal(loaded[name], t)
