@@ -193,6 +193,20 @@ class Storage:
     def remove(self, path: str) -> None:
         raise NotImplementedError
 
+    def remove_files(self, paths: list[str]) -> None:
+        """Delete each file of ``paths`` that exists; a missing one is not an error.
+
+        What a save withdraws before it writes (an old commit file, a rank's
+        manifest): object stores do it in one request, without asking first
+        what is there. Not for directories. Example::
+
+            store.remove_files([store.join(d, "metadata.json"), store.join(d, "rank_0.json")])
+        """
+        for path in paths:
+            if self.exists(path):
+                with contextlib.suppress(FileNotFoundError):
+                    self.remove(path)  # another process got there first: the goal is reached
+
     def isdir(self, path: str) -> bool:
         """True if ``path`` is a directory (on an object store: a prefix that holds objects)."""
         raise NotImplementedError
@@ -240,6 +254,11 @@ class Storage:
         """The fastest way this store takes a file's bytes in order, given the file
         object :meth:`atomic_writer` yielded: an object with ``write(piece)``,
         ``drain()`` (wait for what was handed over), ``close()`` and ``hasher``.
+
+        A sink may also have ``piece_bytes``: the size of the pieces it takes
+        best (an object store's part size); without it writers hand over
+        ``knobs.IO_CHUNK_BYTES`` at a time. A piece's memory must stay
+        unchanged until ``drain()`` (sinks may send it later, without a copy).
 
         ``hasher`` is a ``BlockHasher`` of the bytes the sink wrote from its own
         buffers when ``checksum`` is asked and the sink copies (the local
