@@ -1,4 +1,4 @@
-"""How an S3 upload is cut into parts (``fsspec_store._S3MultipartWriter``), against a fake client.
+"""How an S3 upload is cut into parts (``fsspec_store.S3MultipartWriter``), against a fake client.
 
 No server: the fake records every call. The properties S3 needs (every part
 but the last at least 5 MiB, the parts in order rebuild the file), that a
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from shardkit import knobs
-from shardkit.storage.fsspec_store import _MIN_PART_BYTES, _S3MultipartWriter, _S3PartSink
+from shardkit.storage.s3_upload import _MIN_PART_BYTES, S3MultipartWriter, S3PartSink
 
 MIB = 1024 * 1024
 
@@ -71,8 +71,8 @@ class _FakeS3:
 def _upload(pieces: list[bytes], part_bytes: int, monkeypatch) -> _FakeS3:
     monkeypatch.setattr(knobs, "OBJECT_PART_BYTES", part_bytes)
     fs = _FakeS3()
-    writer = _S3MultipartWriter(fs, "bucket/file")
-    sink = _S3PartSink(writer)
+    writer = S3MultipartWriter(fs, "bucket/file")
+    sink = S3PartSink(writer)
     for piece in pieces:
         sink.write(memoryview(piece))
     sink.drain()
@@ -88,8 +88,8 @@ def test_parts_rebuild_the_file_and_all_but_the_last_are_at_least_5_mib(sizes, p
     try:
         pieces = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
         fs = _FakeS3()
-        writer = _S3MultipartWriter(fs, "bucket/file")
-        sink = _S3PartSink(writer)
+        writer = S3MultipartWriter(fs, "bucket/file")
+        sink = S3PartSink(writer)
         for piece in pieces:
             sink.write(memoryview(piece))
         writer.commit()
@@ -120,7 +120,7 @@ def test_a_piece_of_a_part_s_size_is_sent_from_the_caller_s_memory(monkeypatch):
 def test_file_writes_copy_so_the_caller_may_reuse_its_buffer(monkeypatch):
     monkeypatch.setattr(knobs, "OBJECT_PART_BYTES", 5 * MIB)
     fs = _FakeS3()
-    writer = _S3MultipartWriter(fs, "bucket/file")
+    writer = S3MultipartWriter(fs, "bucket/file")
     buf = bytearray(3 * MIB)
     for value in (1, 2, 3):
         buf[:] = bytes([value]) * len(buf)
