@@ -108,9 +108,9 @@ class S3MultipartWriter:
     caller's memory and sends it as it is: a part that lies in one view goes
     out without a copy, only views smaller than S3's 5 MiB minimum part are
     joined (with the start of the next view: under 10 MiB copied per run of
-    small views). Parts are
-    at most about ``knobs.OBJECT_PART_BYTES``, ``knobs.OBJECT_UPLOAD_PARTS_IN_FLIGHT``
-    in flight. A file smaller than one part is one PUT at commit. Each part's
+    small views). Parts are at most about ``knobs.OBJECT_PART_BYTES``,
+    ``knobs.OBJECT_UPLOAD_PARTS_IN_FLIGHT`` in flight. A file smaller than
+    one part is one PUT at commit. Each part's
     CRC-32 is computed on the part's thread (the server checks it), off the
     event loop. Nothing is visible under the key before
     ``complete_multipart_upload``; :meth:`abort` drops the parts.
