@@ -24,9 +24,9 @@ import torch
 
 
 def _die_at(at: str) -> None:
-    from shardkit.storage import fsspec_store
+    from shardkit.storage import s3_upload
 
-    writer = fsspec_store._S3MultipartWriter
+    writer = s3_upload.S3MultipartWriter
     real_upload, real_commit = writer._upload_part, writer.commit
 
     def upload_part(self, number, body):

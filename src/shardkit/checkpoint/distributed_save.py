@@ -170,19 +170,10 @@ def _save_id(m: Manifest) -> str:
     return xxhash.xxh3_64_hexdigest(text.encode())
 
 
-def _remove_if_present(storage: Storage, path: str) -> None:
-    if storage.exists(path):
-        try:
-            storage.remove(path)
-        except FileNotFoundError:
-            pass  # another process got there first: the goal is reached
-
-
 def _withdraw(storage: Storage, directory: str, rank: int) -> None:
-    storage.makedirs(directory)
-    if rank == 0:
-        _remove_if_present(storage, storage.join(directory, METADATA_FILE))
-    _remove_if_present(storage, storage.join(directory, rank_manifest_name(rank)))
+    # Called with the writer lock held, which made the directory. One request on an object store.
+    names = ([METADATA_FILE] if rank == 0 else []) + [rank_manifest_name(rank)]
+    storage.remove_files([storage.join(directory, n) for n in names])
 
 
 def _write_rank_files(storage: Storage, directory: str, prep: _Prepared) -> dict[str, FileRecord]:

@@ -194,6 +194,20 @@ class Storage:
     def remove(self, path: str) -> None:
         raise NotImplementedError
 
+    def remove_files(self, paths: list[str]) -> None:
+        """Delete each file of ``paths`` that exists; a missing one is not an error.
+
+        What a save withdraws before it writes (an old commit file, a rank's
+        manifest): object stores do it in one request, without asking first
+        what is there. Not for directories. Example::
+
+            store.remove_files([store.join(d, "metadata.json"), store.join(d, "rank_0.json")])
+        """
+        for path in paths:
+            if self.exists(path):
+                with contextlib.suppress(FileNotFoundError):
+                    self.remove(path)  # another process got there first: the goal is reached
+
     def isdir(self, path: str) -> bool:
         """True if ``path`` is a directory (on an object store: a prefix that holds objects)."""
         raise NotImplementedError
@@ -245,6 +259,11 @@ class Storage:
         ``size_bytes``, the file's final size where the caller knows it, lets
         a backend write a small file more simply (the local one writes files
         under ``knobs.SMALL_FILE_BYTES`` inline: no threads, no ``O_DIRECT``).
+
+        A sink may also have ``piece_bytes``: the size of the pieces it takes
+        best (an object store's part size); without it writers hand over
+        ``knobs.IO_CHUNK_BYTES`` at a time. A piece's memory must stay
+        unchanged until ``drain()`` (sinks may send it later, without a copy).
 
         ``hasher`` is a ``BlockHasher`` of the bytes the sink wrote from its own
         buffers when ``checksum`` is asked and the sink copies (the local

@@ -6,7 +6,8 @@ appears whole or not at all; a writer that fails discards its upload, and
 one that is killed leaves at most an incomplete multipart upload, which no
 listing or read ever sees (``Storage.remove_orphans`` aborts those; a
 bucket lifecycle rule ``AbortIncompleteMultipartUpload`` does it for you).
-On S3 the parts go up ``knobs.OBJECT_PARTS_IN_FLIGHT`` at a time. Other
+On S3 the parts go up ``knobs.OBJECT_UPLOAD_PARTS_IN_FLIGHT`` at a time, sent from the
+caller's memory where a sink writes them (no copy). Other
 fsspec stores (``memory://``, sftp, ...) are written under
 ``storage.temp_name`` and moved to the final name.
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Iterator
 
 from shardkit import knobs
@@ -40,6 +40,7 @@ from shardkit.errors import MissingShardError
 from shardkit.storage.atomic import temp_name
 from shardkit.storage.base import Reader, Storage
 from shardkit.storage.lock import is_lock_name
+from shardkit.storage.s3_upload import S3MultipartWriter, S3PartSink
 
 __all__ = ["FsspecStorage", "fetched_bytes"]
 
@@ -190,83 +191,6 @@ class _S3RangeReader(_RangeReader):
         return got
 
 
-class _S3MultipartWriter:
-    """A write-only file whose bytes become one S3 object when :meth:`commit` completes.
-
-    Buffers ``knobs.OBJECT_PART_BYTES`` per part and uploads up to
-    ``knobs.OBJECT_PARTS_IN_FLIGHT`` parts at once; a file smaller than one
-    part is one PUT at commit. Nothing is visible under the key before
-    ``complete_multipart_upload``; :meth:`abort` drops the parts.
-    """
-
-    def __init__(self, fs, key: str):
-        self._fs = fs
-        self._bucket, self._key, _ = fs.split_path(key)
-        self._part_bytes = max(5 * 1024 * 1024, knobs.OBJECT_PART_BYTES)
-        self._buf = bytearray()
-        self._upload_id: str | None = None
-        self._parts: list[Future] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._written = 0
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        taken = 0
-        while taken < len(view):
-            room = self._part_bytes - len(self._buf)
-            chunk = view[taken : taken + room]
-            self._buf += chunk
-            taken += len(chunk)
-            if len(self._buf) >= self._part_bytes:
-                self._send_part()
-        self._written += taken
-        return taken
-
-    def tell(self) -> int:
-        return self._written
-
-    def flush(self) -> None:
-        pass
-
-    def _send_part(self) -> None:
-        if self._upload_id is None:
-            self._upload_id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)["UploadId"]
-            self._pool = ThreadPoolExecutor(max(1, knobs.OBJECT_PARTS_IN_FLIGHT), thread_name_prefix="shardkit-s3-part")
-        in_flight = max(1, knobs.OBJECT_PARTS_IN_FLIGHT)
-        while sum(not f.done() for f in self._parts) >= in_flight:
-            next(f for f in self._parts if not f.done()).result()
-        body, self._buf = self._buf, bytearray()  # handed over whole: the part is sent without another copy
-        number = len(self._parts) + 1
-        self._parts.append(self._pool.submit(self._upload_part, number, body))
-
-    def _upload_part(self, number: int, body: bytes) -> dict:
-        out = self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key, PartNumber=number,
-                               UploadId=self._upload_id, Body=body)
-        return {"PartNumber": number, "ETag": out["ETag"]}
-
-    def commit(self) -> None:
-        if self._upload_id is None:  # small: one PUT publishes it whole
-            self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=self._buf)
-            self._buf = bytearray()
-        else:
-            if self._buf:
-                self._send_part()
-            parts = [f.result() for f in self._parts]
-            self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
-                             UploadId=self._upload_id, MultipartUpload={"Parts": parts})
-            self._pool.shutdown(wait=True)
-        self._fs.invalidate_cache(f"{self._bucket}/{self._key}")
-
-    def abort(self) -> None:
-        if self._pool is not None:
-            for f in self._parts:
-                f.cancel()
-            self._pool.shutdown(wait=True)
-        if self._upload_id is not None:
-            with contextlib.suppress(Exception):
-                self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id)
-
-
 class FsspecStorage(Storage):
     """Any fsspec filesystem: object stores publish on upload completion, others by a move."""
 
@@ -301,6 +225,25 @@ class FsspecStorage(Storage):
 
     def remove(self, path: str) -> None:
         self.fs.rm(self._strip(path))
+
+    def remove_files(self, paths: list[str]) -> None:
+        if self._protocol not in _S3:
+            return super().remove_files(paths)
+        # One DeleteObjects per bucket: S3 deletes a missing key without complaint, so
+        # nothing is asked first (an exists() costs a HEAD and, when absent, a LIST).
+        by_bucket: dict[str, list[str]] = {}
+        for path in paths:
+            bucket, _, key = self._strip(path).partition("/")
+            by_bucket.setdefault(bucket, []).append(key)
+        for bucket, keys in by_bucket.items():
+            out = self.fs.call_s3("delete_objects", Bucket=bucket,
+                                  Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+            errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                raise OSError(f"could not delete {', '.join(e.get('Key', '?') for e in errors)} in bucket "
+                              f"{bucket}: {errors[0].get('Code')} {errors[0].get('Message', '')}")
+            for key in keys:
+                self.fs.invalidate_cache(f"{bucket}/{key}")
 
     def isdir(self, path: str) -> bool:
         return self.fs.isdir(self._strip(path))
@@ -367,6 +310,13 @@ class FsspecStorage(Storage):
             raise MissingShardError(f"{path} does not exist") from e
         return (_S3RangeReader if self._protocol in _S3 else _RangeReader)(path, self.fs, stripped, size)
 
+    def open_sink(self, f, durable: bool = True, checksum: bool = False, size_bytes: int | None = None):
+        """S3: the writer's pieces go out as upload parts without a copy (``storage.s3_upload``);
+        other stores: sequential writes (``Storage.open_sink``)."""
+        if isinstance(f, S3MultipartWriter):
+            return S3PartSink(f)
+        return super().open_sink(f, durable, checksum, size_bytes)
+
     def writer_lock(self, directory: str, *, slot: int = 0, holder: str = ""):
         # No advisory locks on object stores, and a marker object would stay behind a
         # killed writer and block every later save: nothing is held here (documented
@@ -384,7 +334,7 @@ class FsspecStorage(Storage):
 
     @contextlib.contextmanager
     def _s3_writer(self, key: str) -> Iterator[BinaryIO]:
-        f = _S3MultipartWriter(self.fs, key)
+        f = S3MultipartWriter(self.fs, key)
         try:
             yield f
             f.commit()

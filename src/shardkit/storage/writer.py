@@ -97,10 +97,11 @@ def write_safetensors(
     with _InlineCalls() if small else ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash") as hashing:
         with storage.atomic_writer(path, durable) as f:
             sink = storage.open_sink(f, durable, checksum, size_bytes=layout.size_bytes)
+            step = getattr(sink, "piece_bytes", None) or knobs.IO_CHUNK_BYTES
             try:
                 for view, lazy in _views(header, order):
-                    for start in range(0, len(view), knobs.IO_CHUNK_BYTES):
-                        piece = view[start : start + knobs.IO_CHUNK_BYTES]
+                    for start in range(0, len(view), step):
+                        piece = view[start : start + step]
                         if hasher is not None:
                             hashing.submit(hasher.update, piece)
                         sink.write(piece)
