@@ -129,7 +129,8 @@ def _chunked_to_json(m: Manifest) -> dict:
 
 def write_json(storage: Storage, path: str, obj: Any) -> None:
     """Publish ``obj`` as JSON at ``path`` atomically (invariant 1)."""
-    data = json.dumps(obj, indent=1, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    # One line, default separators: the C encoder (indent= falls back to the pure-Python one, ~5x slower).
+    data = json.dumps(obj, ensure_ascii=False, allow_nan=False).encode("utf-8")
     with storage.atomic_writer(path) as f:
         f.write(data)
 
