@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from comm_ranks import spawn_ranks
+from comm_threads import on_threads
 from shardkit.comm import Group, UniqueId
 from shardkit.ddp import DistributedDataParallel
 from shardkit.errors import CommError
@@ -21,27 +22,6 @@ F64 = torch.float64
 TINY_BUCKETS_MB = 200 / 2**20  # ~200 bytes: several buckets, launched during backward
 # Rank threads share torch's global RNG: seeding and initialising a model must not interleave.
 INIT_LOCK = threading.RLock()
-
-
-def on_threads(groups, fn, *args):
-    """``fn(group, *args)`` on one thread per group; results by rank, first error re-raised."""
-    results, errors = [None] * len(groups), []
-
-    def run(g):
-        try:
-            results[g.rank] = fn(g, *args)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(g,), daemon=True) for g in groups]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank thread hung"
-    if errors:
-        raise errors[0]
-    return results
 
 
 @pytest.fixture

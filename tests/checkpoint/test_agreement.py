@@ -9,7 +9,6 @@ or in rank 0's commit, fails the step on every rank, typed, none blocked.
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
@@ -22,27 +21,10 @@ from shardkit.checkpoint.group import BROADCAST_SLOT_BYTES, EXCHANGE_OBSERVERS, 
 from shardkit.comm import Group
 from shardkit.errors import CheckpointBusyError, CheckpointError
 
+from comm_threads import on_threads
+
 N = 3
 SLOT = 48
-
-
-def on_threads(groups, fn, *args):
-    """``fn(group, *args)`` on one thread per rank; results by rank."""
-    results, errors = [None] * len(groups), []
-
-    def run(g):
-        try:
-            results[g.rank] = fn(g, *args)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(g,), daemon=True) for g in groups]
-    [t.start() for t in threads]
-    [t.join(60) for t in threads]
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    if errors:
-        raise errors[0]
-    return results
 
 
 @pytest.fixture(scope="module")
