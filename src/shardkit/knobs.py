@@ -93,6 +93,17 @@ STREAM_COPY_MIN_BYTES: int = 1024 * 1024
 #: copies (see ``shardkit.storage.prefault``); False leaves the faults to the copies.
 STAGING_PREFAULT: bool = True
 
+#: A load's outputs allocated by the load (not ``out=``, not mapped) get
+#: transparent huge pages where whole ones fit and are faulted in with
+#: ``madvise(MADV_POPULATE_WRITE)`` on the I/O threads before the reads fill
+#: them (``checkpoint.execute``); False leaves the faults to the copies.
+LOAD_PREFAULT: bool = True
+
+#: Only outputs of at least this many bytes: glibc's malloc maps allocations
+#: this large afresh every time (its largest mmap threshold on 64-bit), where
+#: smaller ones may reuse heap memory that is already faulted in.
+LOAD_PREFAULT_MIN_BYTES: int = 32 * 1024 * 1024
+
 #: Local reads of at least this many bytes copy from a read-only map of the
 #: file (non-temporal copies; see ``storage.local._LocalReader``) instead of
 #: ``preadv``. ``MMAP_READS = False`` reads everything with ``preadv``.

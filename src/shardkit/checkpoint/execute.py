@@ -39,6 +39,7 @@ from shardkit.storage import (
     read_ranges,
     run_parallel,
 )
+from shardkit.storage.prefault import advise_huge_extents, populate_for_write
 
 __all__ = ["OpenFiles", "run_loads", "check_chunks", "check_plans", "saved_dtype", "scratch_elems_of"]
 
@@ -132,6 +133,7 @@ def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str
               for t in [_mapped_output(files, p, dtype_of(p.name))] if t is not None}
     plans = [p for p in plans if p.name not in mapped]
     outputs = {**mapped, **{p.name: _output(p, dtype_of(p.name), given) for p in plans}}
+    _prefault([outputs[p.name] for p in plans if p.name not in given])
     jobs: list[Callable[[], None]] = []
     direct: dict[str, list[tuple[int, memoryview]]] = {}
     for plan in plans:
@@ -181,6 +183,28 @@ def _mapped_output(files: OpenFiles, plan: TensorLoad, dtype: torch.dtype) -> to
     if view is None:
         return None
     return torch.frombuffer(view, dtype=dtype, count=numel).view(plan.out_shape)
+
+
+def _prefault(fresh: list[torch.Tensor]) -> None:
+    """Fault in the outputs allocated here before the reads fill them (``knobs.LOAD_PREFAULT``).
+
+    Each of at least ``knobs.LOAD_PREFAULT_MIN_BYTES`` (smaller ones may be
+    heap memory the allocator reuses, already faulted in) gets huge pages
+    where whole ones fit inside it, then is faulted in
+    with one ``MADV_POPULATE_WRITE`` per slice of ``_JOB_BYTES``, the slices
+    spread over the I/O threads: on the 2-core VM a fresh 1 GiB copying load
+    took 0.32 s with a trap per 4 KiB page and 0.16-0.18 s this way.
+    """
+    if not knobs.LOAD_PREFAULT:
+        return
+    slices = []
+    for t in fresh:
+        addr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        if nbytes < knobs.LOAD_PREFAULT_MIN_BYTES:
+            continue
+        advise_huge_extents(addr, nbytes)
+        slices += [(addr + start, min(_JOB_BYTES, nbytes - start)) for start in range(0, nbytes, _JOB_BYTES)]
+    run_parallel([lambda a=a, n=n: populate_for_write(a, n) for a, n in slices])
 
 
 def _output(plan: TensorLoad, dtype: torch.dtype, given: Mapping[str, torch.Tensor]) -> torch.Tensor:
