@@ -47,13 +47,17 @@ def recorded(monkeypatch):
 
 @linux_only
 def test_prefetched_ranges_are_mapped_and_read_the_same(tmp_path):
-    path = _file(tmp_path, 64 * PAGE_BYTES)
+    # The file is large beside the range: the kernel maps whole page-cache folios (up to 2 MiB under
+    # the map's huge-page advice) and a fault-around window, so only a loose upper bound is exact.
+    # The exact ranges handed to the kernel are checked in test_ranges_are_sorted_joined_chunked_and_bounded.
+    mib = 1 << 20
+    path = _file(tmp_path, 32 * mib)
     mapping = LocalStorage().map_private(str(path))
     assert _resident_bytes(buffer_address(mapping)) == 0
-    assert prefetch_mapped(mapping, [(0, 32 * PAGE_BYTES)]) == 32 * PAGE_BYTES
+    assert prefetch_mapped(mapping, [(0, 4 * mib)]) == 4 * mib
     assert wait_for_prefetch(timeout_s=30)
     resident = _resident_bytes(buffer_address(mapping))
-    assert 32 * PAGE_BYTES <= resident < 64 * PAGE_BYTES or resident == 0  # 0: a kernel without the advice
+    assert 4 * mib <= resident <= 16 * mib or resident == 0  # 0: a kernel without the advice
     assert mapping[:] == path.read_bytes()
 
 
