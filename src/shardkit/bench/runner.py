@@ -16,7 +16,7 @@ import traceback
 
 SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", "scale", "s3")
 #: What runs without ``--only``: ``offline`` (the CLI tools against DCP, two extra source checkpoints and
-#: rank processes), ``scale`` (8/32/64 thread ranks, tiny tensors; ``--size`` does not apply) and ``s3``
+#: rank processes), ``scale`` (8/32/64 ranks as processes, then as threads, tiny tensors; ``--size`` does not apply) and ``s3``
 #: (a SeaweedFS server on loopback; needs the ``weed`` binary of requirements-dev.txt) run only when asked for.
 DEFAULT_SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 

@@ -1,6 +1,8 @@
 """Scale: metadata size, save and load time and rank 0's received traffic against ranks x tensors.
 
-How it measures (``shardkit bench --only scale`` or ``python -m shardkit.bench.scale_bench``):
+How it measures (``shardkit bench --only scale`` or ``python -m shardkit.bench.scale_bench``);
+``bench/scale_processes.py`` measures the same rows with every rank a process (the default
+of ``python -m shardkit.bench.scale_bench``; ``--only scale`` runs both kinds):
 
 - ``ranks`` ranks are the threads of ``comm.Group.local(ranks)`` (real Gloo over
   loopback inside one process). Each rank saves ``tensors`` tiny sharded
@@ -48,7 +50,8 @@ COLUMNS = ("metadata_bytes", "save_wall_s", "rank0_save_cpu_s", "ranks_save_cpu_
            "rank0_recv_bytes", "rank0_sent_bytes", "rank0_collectives")
 
 
-def _states(rank: int, tensors: int):
+def states(rank: int, tensors: int):
+    """One rank's state: ``tensors`` replicated tiny tensors and ``tensors`` of its own (its ``rank_state``)."""
     import torch
 
     shared = {f"model.w{i}": torch.arange(4, dtype=torch.float32) + i for i in range(tensors)}
@@ -96,7 +99,7 @@ def save_counted(groups, tensors: int, directory: str, join_timeout_s: float = 3
                 counted["rank0_exchanges"] += 1
 
     def one(g):
-        shared, own = _states(g.rank, tensors)
+        shared, own = states(g.rank, tensors)
         cpu = time.thread_time()
         save(shared, directory, group=g, rank_state=own)
         return time.thread_time() - cpu
@@ -131,12 +134,16 @@ def exchanges_only(groups, join_timeout_s: float = 300.0) -> float:
 def load_one(group, tensors: int, directory: str) -> float:
     """Seconds for ``group``'s rank to load its part (``load`` issues no collective, so any thread
     may call it alone); checks the values."""
+    return load_checked(group.rank, tensors, directory, group)
+
+
+def load_checked(rank: int, tensors: int, directory: str, group=None) -> float:
+    """Seconds for rank ``rank`` of ``group`` (None: the default process group) to load its part; checks the values."""
     import torch
 
     from shardkit.checkpoint import load
 
-    rank = group.rank
-    shared, own = _states(rank, tensors)
+    shared, own = states(rank, tensors)
     zero_shared = {k: torch.zeros_like(v) for k, v in shared.items()}
     zero_own = {k: torch.zeros_like(v) for k, v in own.items()}
     start = time.perf_counter()
@@ -193,20 +200,47 @@ def format_scale_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_scale_benchmarks(workdir: str, ranks=DEFAULT_RANKS, tensors: int = DEFAULT_TENSORS) -> list[dict]:
-    """The rows for ``shardkit bench --only scale`` (one run per rank count); prints the fitted table."""
-    rows = [measure(r, tensors, workdir) for r in ranks]
-    print(format_scale_table(rows), file=sys.stderr, flush=True)
-    # The runner's common table shows the save wall time; the fitted table above has every column.
-    return [{"suite": "scale", "case": f"scale save {r['ranks']}x{r['tensors']}", "impl": "shardkit",
+#: How ranks run: ``processes`` (one forked process each, the default process group; what a cluster
+#: runs) and ``threads`` (``Group.local`` in this process; their GIL and shared heap grow with ranks).
+RANK_KINDS = ("processes", "threads")
+
+
+def measure_as(kind: str, ranks: int, tensors: int, workdir: str) -> dict:
+    """One row with ranks run as ``kind`` (one of ``RANK_KINDS``)."""
+    if kind == "processes":
+        from shardkit.bench.scale_processes import measure_processes
+
+        return {"ranks_as": kind, **measure_processes(ranks, tensors, workdir)}
+    if kind == "threads":
+        return {"ranks_as": kind, **measure(ranks, tensors, workdir)}
+    raise ValueError(f"ranks run as one of {RANK_KINDS}, got {kind!r}")
+
+
+def run_scale_benchmarks(workdir: str, ranks=DEFAULT_RANKS, tensors: int = DEFAULT_TENSORS,
+                         kinds=RANK_KINDS) -> list[dict]:
+    """The rows for ``shardkit bench --only scale`` (one run per rank count and kind); prints the fitted tables."""
+    rows = []
+    for kind in kinds:
+        mine = [measure_as(kind, r, tensors, workdir) for r in ranks]
+        print(f"ranks as {kind}:\n{format_scale_table(mine)}", file=sys.stderr, flush=True)
+        rows += mine
+    # The runner's common table shows the save wall time; the fitted tables above have every column.
+    return [{"suite": "scale", "case": f"scale save {r['ranks']}x{r['tensors']} ({r['ranks_as']})", "impl": "shardkit",
              "median_s": r["save_wall_s"], "min_s": r["save_wall_s"], "max_s": r["save_wall_s"], **r}
             for r in rows]
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> None:
+    """``python -m shardkit.bench.scale_bench [RANKS,...] [TENSORS] [processes|threads]``: one fitted table."""
     import tempfile
 
+    ranks = [int(n) for n in argv[0].split(",")] if argv else list(DEFAULT_RANKS)
+    tensors = int(argv[1]) if len(argv) > 1 else DEFAULT_TENSORS
+    kind = argv[2] if len(argv) > 2 else RANK_KINDS[0]
     with tempfile.TemporaryDirectory() as tmp:
-        out = [measure(int(n), int(sys.argv[2]) if len(sys.argv) > 2 else DEFAULT_TENSORS, tmp)
-               for n in (sys.argv[1].split(",") if len(sys.argv) > 1 else DEFAULT_RANKS)]
-    print(format_scale_table(out))
+        rows = [measure_as(kind, n, tensors, tmp) for n in ranks]
+    print(f"ranks as {kind}:\n{format_scale_table(rows)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
