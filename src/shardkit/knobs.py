@@ -93,8 +93,7 @@ STREAM_COPY_MIN_BYTES: int = 1024 * 1024
 #: copies (see ``shardkit.storage.prefault``); False leaves the faults to the copies.
 STAGING_PREFAULT: bool = True
 
-#: A load's outputs allocated by the load (not ``out=``, not mapped) get
-#: transparent huge pages where whole ones fit and are faulted in with
+#: A load's outputs allocated by the load (not ``out=``, not mapped) are faulted in with
 #: ``madvise(MADV_POPULATE_WRITE)`` on the I/O threads before the reads fill
 #: them (``checkpoint.execute``); False leaves the faults to the copies.
 LOAD_PREFAULT: bool = True

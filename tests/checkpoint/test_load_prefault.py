@@ -1,4 +1,4 @@
-"""Copying loads fault their large fresh outputs in (huge pages, MADV_POPULATE_WRITE) before filling them."""
+"""Copying loads fault their large fresh outputs in (MADV_POPULATE_WRITE) before filling them."""
 
 import os
 
@@ -18,9 +18,8 @@ def calls(monkeypatch):
     """Copying loads, a 1 MiB prefault threshold, and every advice the load gives, recorded."""
     monkeypatch.setattr(knobs, "MAP_LOADS", False)
     monkeypatch.setattr(knobs, "LOAD_PREFAULT_MIN_BYTES", 1 << 20)
-    seen = {"huge": [], "populate": []}
-    real_huge, real_populate = execute.advise_huge_extents, execute.populate_for_write
-    monkeypatch.setattr(execute, "advise_huge_extents", lambda a, n: seen["huge"].append((a, n)) or real_huge(a, n))
+    seen = {"populate": []}
+    real_populate = execute.populate_for_write
     monkeypatch.setattr(execute, "populate_for_write", lambda a, n: seen["populate"].append((a, n)) or real_populate(a, n))
     return seen
 
@@ -37,8 +36,7 @@ def test_large_fresh_outputs_are_faulted_in_whole_and_load_the_saved_bytes(tmp_p
     got = load_distributed(str(tmp_path), 0, 1)
     assert all(bits_equal(got[k], full[k]) for k in full)
     big = got["big"]
-    assert calls["huge"] == [(big.data_ptr(), BIG_BYTES)]  # the small and the empty output: not advised
-    assert sorted(calls["populate"]) == [(big.data_ptr(), BIG_BYTES)]  # one slice: under _JOB_BYTES
+    assert sorted(calls["populate"]) == [(big.data_ptr(), BIG_BYTES)]  # one slice (under _JOB_BYTES); small ones not
 
 
 def test_outputs_given_with_out_are_not_touched_and_the_knob_turns_it_off(tmp_path, calls, monkeypatch):
@@ -50,7 +48,7 @@ def test_outputs_given_with_out_are_not_touched_and_the_knob_turns_it_off(tmp_pa
     monkeypatch.setattr(knobs, "LOAD_PREFAULT", False)
     got = load_distributed(str(tmp_path), 0, 1)
     assert all(bits_equal(got[k], full[k]) for k in full)
-    assert calls == {"huge": [], "populate": []}
+    assert calls == {"populate": []}
 
 
 def test_a_prefaulted_load_still_catches_a_flipped_byte(tmp_path, calls, monkeypatch):

@@ -57,22 +57,3 @@ def test_a_kernel_without_the_advice_turns_it_off_other_errors_do_not(monkeypatc
     assert populate_for_write(0, 4 * PAGE_BYTES) is False  # EINVAL: never again
     assert populate_for_write(0, 4 * PAGE_BYTES) is False
     assert len(calls) == 2
-
-
-def test_huge_page_advice_covers_only_whole_huge_pages_inside_the_range(monkeypatch):
-    calls = []
-    monkeypatch.setattr(prefault, "_madvise", lambda *a: calls.append(a) or 0)
-    monkeypatch.setattr(prefault, "_unsupported", set())
-    huge = prefault.HUGE_PAGE_BYTES
-    assert prefault.advise_huge_extents(huge + 1, huge) is False  # straddles two huge pages, holds neither
-    assert calls == []
-    assert prefault.advise_huge_extents(huge - 5, 3 * huge) is True  # the neighbours' partial huge pages left alone
-    assert calls == [(huge, 2 * huge, prefault.MADV_HUGEPAGE)]
-
-
-@linux_only
-def test_huge_page_advice_keeps_every_byte():
-    buf = torch.arange(3 * prefault.HUGE_PAGE_BYTES // 4, dtype=torch.int32)
-    expect = buf.clone()
-    prefault.advise_huge_extents(buf.data_ptr(), buf.nbytes)  # True where THP is on; the same bytes either way
-    assert torch.equal(buf, expect)

@@ -22,26 +22,13 @@ import errno
 import mmap
 import sys
 
-__all__ = ["populate_for_write", "advise", "advise_huge_extents", "PAGE_BYTES", "HUGE_PAGE_BYTES", "MADV_HUGEPAGE",
-           "MADV_POPULATE_READ"]
+__all__ = ["populate_for_write", "advise", "PAGE_BYTES", "MADV_HUGEPAGE", "MADV_POPULATE_READ"]
 
 PAGE_BYTES: int = mmap.PAGESIZE
 # linux/mman.h; the populate advice is not in Python's mmap module before 3.13
 MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
-
-
-def _huge_page_bytes() -> int:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return 2 * 1024 * 1024  # x86-64 and arm64 with 4 KiB pages
-
-
-#: The size of a transparent huge page (a PMD) here.
-HUGE_PAGE_BYTES: int = _huge_page_bytes()
 
 
 def _load_madvise():
@@ -94,18 +81,3 @@ def populate_for_write(addr: int, nbytes: int) -> bool:
     pages, as without this function.
     """
     return advise(addr, nbytes, _MADV_POPULATE_WRITE)
-
-
-def advise_huge_extents(addr: int, nbytes: int) -> bool:
-    """Ask for transparent huge pages under the huge-page-aligned extents wholly inside ``[addr, addr + nbytes)``.
-
-    For memory about to be written whole (a load's fresh output): its first
-    touch then costs a fault per ``HUGE_PAGE_BYTES`` instead of per 4 KiB
-    page. The range is rounded inwards to huge-page boundaries, so memory the
-    caller does not own (a neighbour in the same heap) is never advised and a
-    range holding no whole huge page returns False at once. It changes no
-    content and never raises; with transparent huge pages off it does nothing.
-    """
-    start = (addr + HUGE_PAGE_BYTES - 1) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    end = (addr + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    return end > start and advise(start, end - start, MADV_HUGEPAGE)
