@@ -68,6 +68,7 @@ from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes, to_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box
 from shardkit.storage import FileLayout, FileRecord, Storage, file_layout, write_safetensors
+from shardkit.storage.json_io import gc_paused
 
 __all__ = ["Prepared", "prepare", "write_and_commit"]
 
@@ -247,8 +248,9 @@ def _write_and_commit_locked(prep: Prepared, storage: Storage, directory: str, c
     written, exc = attempt(lambda: _write_file(storage, directory, prep))
 
     def commit(statuses: list[dict]) -> None:            # rank 0, once every rank wrote its file
-        write_json(storage, storage.join(directory, METADATA_FILE),
-                   manifest_to_json(_manifest(prep, [s["written"] for s in statuses])))
+        with gc_paused():  # O(ranks x tensors) objects at once: no full collection in the middle
+            write_json(storage, storage.join(directory, METADATA_FILE),
+                       manifest_to_json(_manifest(prep, [s["written"] for s in statuses])))
 
     agree(coordinator, {"error": describe_error(exc), "written": written}, exc, "writing the data files",
           on_root=commit, root_step="writing metadata.json")
