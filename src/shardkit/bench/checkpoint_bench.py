@@ -148,14 +148,18 @@ def bench_load_into(state, workdir: str, reps: int) -> list[dict]:
 
     Each impl fills its own destination state, allocated here and first
     touched by the untimed warm-up read, as a training job's model and
-    optimizer already are.
+    optimizer already are. ``shardkit verify=False`` is the same load without
+    hashing: what verification (on by default) costs where no page fault hides it.
     """
     def dest():
         return {k: torch.zeros_like(v) for k, v in state.items()}
 
-    shardkit_out, dcp_out, raw_out = dest(), dest(), dest()
+    shardkit_out, unverified_out, dcp_out, raw_out = dest(), dest(), dest(), dest()
     return _warm_loads("load in place (out=), warm cache", {
         "shardkit": ("into-shardkit", _save_ours(state), lambda p: load_distributed(p, 0, 1, out=shardkit_out)),
+        "shardkit verify=False": ("into-shardkit-unverified", _save_ours(state),
+                                  lambda p: load_distributed(p, 0, 1, out=unverified_out, verify=False),
+                                  "in place, no hashing"),
         "torch.distributed.checkpoint.load": ("into-dcp", lambda p: peers.dcp_save(state, p),
                                               lambda p: peers.dcp_load_into(dcp_out, p)),
         "read from page cache into them, 1 thread (limit)": ("into-raw", lambda p: peers.raw_write(state, p),
