@@ -21,6 +21,7 @@ class SlicedWork:
         self.slices, self.error, self.race = slices, error, finish_during_last_slice
         self.completed = False
         self.waits = 0
+        self.timeouts_s: list[float | None] = []
 
     def get_future(self):
         return object()
@@ -30,6 +31,7 @@ class SlicedWork:
 
     def wait(self, timeout=None):
         self.waits += 1
+        self.timeouts_s.append(None if timeout is None else timeout.total_seconds())
         if self.completed:
             if self.error:
                 raise RuntimeError(self.error)
@@ -60,6 +62,23 @@ def test_slow_work_is_waited_for_over_many_slices():
     work = SlicedWork(7)
     _wait(work)
     assert work.waits == 8
+
+
+def test_slices_double_up_to_the_cap(monkeypatch):
+    # Each slice that runs out costs the waiting process CPU: a long wait takes few, a short one checks often.
+    monkeypatch.setattr(knobs, "COMM_ABORT_POLL_S", 0.05)
+    monkeypatch.setattr(knobs, "COMM_ABORT_POLL_MAX_S", 0.4)
+    work = SlicedWork(6)
+    _wait(work)
+    assert work.timeouts_s == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.4, 0.4, 0.4])
+
+
+def test_a_cap_below_the_first_slice_keeps_the_first(monkeypatch):
+    monkeypatch.setattr(knobs, "COMM_ABORT_POLL_S", 0.05)
+    monkeypatch.setattr(knobs, "COMM_ABORT_POLL_MAX_S", 0.0)
+    work = SlicedWork(2)
+    _wait(work)
+    assert work.timeouts_s == pytest.approx([0.05, 0.05, 0.05])
 
 
 def test_work_error_after_the_race_is_the_works_own():

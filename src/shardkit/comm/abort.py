@@ -116,8 +116,10 @@ def wait_work(work, *, what: str, timeout: timedelta, handle: AbortHandle, backe
               has_future: bool | None = None) -> None:
     """Block until ``work`` completes; raise a ``CommError`` on abort, timeout or failure.
 
-    ``backend_wait`` (Gloo) waits inside the backend in short slices: the
-    fastest wake-up, since a Python callback would need extra thread switches.
+    ``backend_wait`` (Gloo) waits inside the backend in slices that double
+    from ``knobs.COMM_ABORT_POLL_S`` to ``knobs.COMM_ABORT_POLL_MAX_S`` (the
+    abort flag and the deadline are checked between them): the fastest
+    wake-up, since a Python callback would need extra thread switches.
     ``has_future``: whether the work has a future (None: ask it, which costs
     a call into the backend; callers that know, e.g. all_reduce, say so).
     """
@@ -151,11 +153,13 @@ def _has_future(work) -> bool:
 
 
 def _wait_in_backend(work, what, deadline, handle, timeout) -> None:
-    step = timedelta(seconds=knobs.COMM_ABORT_POLL_S)
+    # Slices double from COMM_ABORT_POLL_S to COMM_ABORT_POLL_MAX_S: a short wait re-checks the
+    # abort flag often, a long one costs few timed-out slices (see knobs).
+    slice_s = knobs.COMM_ABORT_POLL_S
     while True:
         _check(what, deadline, handle, timeout)
         try:
-            work.wait(step)
+            work.wait(timedelta(seconds=slice_s))
             return
         except Exception as e:  # noqa: BLE001 - see below
             if not _slice_ran_out(e):
@@ -166,6 +170,7 @@ def _wait_in_backend(work, what, deadline, handle, timeout) -> None:
             if work.is_completed():
                 _finish_completed(work, what, timeout)
                 return
+        slice_s = min(2 * slice_s, max(knobs.COMM_ABORT_POLL_S, knobs.COMM_ABORT_POLL_MAX_S))
 
 
 def _finish_completed(work, what, timeout) -> None:
