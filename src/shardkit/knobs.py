@@ -170,12 +170,14 @@ OFFLINE_READ_AHEAD_MAX_BYTES: int = 160 * 1024 * 1024
 COMM_BUCKET_BYTES: int = 32 * 1024 * 1024
 
 #: How often a thread blocked in a collective re-checks its abort flag and
-#: deadline when nothing wakes it earlier (abort wakes it at once). A Gloo
-#: wait is cut into slices that start at ``COMM_ABORT_POLL_S`` and double up to
-#: ``COMM_ABORT_POLL_MAX_S``: each slice that runs out costs the waiting process
-#: about 0.4 ms of CPU (the backend raises and the wait is re-entered), which
-#: 63 ranks waiting on rank 0 at 20 slices a second turned into half a core of
-#: the 2-core VM. The work finishing wakes the wait at once whatever the slice.
+#: deadline when nothing wakes it earlier (abort wakes a helper-thread wait at
+#: once). A Gloo wait runs inside the backend in slices that start at
+#: ``COMM_ABORT_POLL_S`` and double up to ``COMM_ABORT_POLL_MAX_S``: each slice
+#: that runs out costs the waiting process CPU (the backend raises, the wait is
+#: re-entered). On the 2-core VM a rank waiting 2 s on a broadcast used 17.6 ms
+#: of CPU with fixed 50 ms slices and 10.7 ms with doubling ones; with dozens of
+#: ranks waiting on rank 0 that CPU is taken from rank 0. The work finishing
+#: ends the wait at once whatever the slice.
 COMM_ABORT_POLL_S: float = 0.05
 COMM_ABORT_POLL_MAX_S: float = 0.4
 
