@@ -249,8 +249,8 @@ def _write_and_commit_locked(prep: Prepared, storage: Storage, directory: str, c
 
     def commit(statuses: list[dict]) -> None:            # rank 0, once every rank wrote its file
         with gc_paused():  # O(ranks x tensors) objects at once: no full collection in the middle
-            write_json(storage, storage.join(directory, METADATA_FILE),
-                       manifest_to_json(_manifest(prep, [s["written"] for s in statuses])))
+            manifest = manifest_to_json(_manifest(prep, [s["written"] for s in statuses]))
+        write_json(storage, storage.join(directory, METADATA_FILE), manifest)  # the write waits: outside the pause
 
     agree(coordinator, {"error": describe_error(exc), "written": written}, exc, "writing the data files",
           on_root=commit, root_step="writing metadata.json")

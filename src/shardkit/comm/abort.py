@@ -156,6 +156,7 @@ def _wait_in_backend(work, what, deadline, handle, timeout) -> None:
     # Slices double from COMM_ABORT_POLL_S to COMM_ABORT_POLL_MAX_S: a short wait re-checks the
     # abort flag often, a long one costs few timed-out slices (see knobs).
     slice_s = knobs.COMM_ABORT_POLL_S
+    cap_s = max(slice_s, knobs.COMM_ABORT_POLL_MAX_S)
     while True:
         _check(what, deadline, handle, timeout)
         try:
@@ -170,7 +171,7 @@ def _wait_in_backend(work, what, deadline, handle, timeout) -> None:
             if work.is_completed():
                 _finish_completed(work, what, timeout)
                 return
-        slice_s = min(2 * slice_s, max(knobs.COMM_ABORT_POLL_S, knobs.COMM_ABORT_POLL_MAX_S))
+        slice_s = min(2 * slice_s, cap_s)
 
 
 def _finish_completed(work, what, timeout) -> None:
