@@ -13,10 +13,12 @@ of ``python -m shardkit.bench.scale_bench``; ``--only scale`` runs both kinds):
   replicated tiny plain tensors (written once each);
 - rank 0's received and sent bytes and collectives are counted by
   ``checkpoint.group.EXCHANGE_OBSERVERS`` during the save;
-- "save wall" is the whole collective save (all ranks share the GIL, so it sums
-  every rank's work); "rank0 save cpu" is rank 0's own thread CPU time (what one
-  rank pays on a real cluster); "ranks save cpu" the sum over every rank's
-  thread; "exchanges wall" the wall time of a save's collectives alone: its
+- "first save wall" is the whole collective save (all ranks share the GIL, so
+  it sums every rank's work), the first in the row; "save wall" the median of
+  the ``STEADY_SAVES`` after it, into new directories, as a training job
+  saves many times; "rank0 save cpu" is rank 0's own thread CPU time in a
+  steady save (what one rank pays on a real cluster); "ranks save cpu" the
+  sum over every rank's thread; "exchanges wall" the wall time of a save's collectives alone: its
   3 rounds (``agreement.agree``: a gather of tiny statuses to rank 0 and a
   broadcast of rank 0's verdict, each round in the slot the save uses) on
   the same thread ranks, the floor the collectives set. A gather or a
@@ -40,14 +42,24 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import statistics
 import sys
 import threading
 import time
 
 DEFAULT_RANKS = (8, 32, 64)
 DEFAULT_TENSORS = 32
-COLUMNS = ("metadata_bytes", "save_wall_s", "rank0_save_cpu_s", "ranks_save_cpu_s", "exchanges_wall_s", "load_s",
+COLUMNS = ("metadata_bytes", "first_save_wall_s", "save_wall_s", "rank0_save_cpu_s", "ranks_save_cpu_s", "exchanges_wall_s", "load_s",
            "rank0_recv_bytes", "rank0_sent_bytes", "rank0_collectives")
+
+
+#: Saves after the first in each row: "save wall" is their median, "first save wall" the first's.
+STEADY_SAVES = 3
+
+
+def steady_directories(directory: str) -> list[str]:
+    """Where a row's saves after the first go: one new directory each, beside ``directory``."""
+    return [f"{directory}.steady{i}" for i in range(STEADY_SAVES)]
 
 
 def states(rank: int, tensors: int):
@@ -169,7 +181,13 @@ def measure(ranks: int, tensors: int, workdir: str) -> dict:
     shutil.rmtree(directory, ignore_errors=True)
     groups = Group.local(ranks)
     try:
-        row = {"ranks": ranks, "tensors": tensors, **save_counted(groups, tensors, directory)}
+        first = save_counted(groups, tensors, directory)
+        steady = [save_counted(groups, tensors, d) for d in steady_directories(directory)]
+        row = {"ranks": ranks, "tensors": tensors, **first, "first_save_wall_s": first["save_wall_s"],
+               **{k: statistics.median(s[k] for s in steady)
+                  for k in ("save_wall_s", "rank0_save_cpu_s", "ranks_save_cpu_s")}}
+        for d in steady_directories(directory):
+            shutil.rmtree(d, ignore_errors=True)
         row["exchanges_wall_s"] = exchanges_only(groups)
         row["load_s"] = min(load_one(g, tensors, directory) for g in (groups[0], groups[-1]))
     finally:
