@@ -213,4 +213,39 @@ def test_remote_reads_of_adjacent_buffers_are_gathered_and_fetch_only_what_is_wa
     assert all(bytes(buf) == data[lo:lo + len(buf)] for lo, buf in wanted)
     assert reader.read_bytes == sum(len(buf) for _, buf in wanted)    # never a byte nobody asked for
     if not any(gaps[:len(bounds) - 1]):                               # the reads tile the file
-        assert reader.requests == (len(data) // block if verified else 1)
+        assert reader.requests == 1                                   # verified or not: one gather read
+
+
+@pytest.mark.parametrize("part_bytes, in_flight, requests", [(64, 2, 4), (64, 8, 1), (1, 1, 8)])
+def test_remote_verified_reads_fetch_stretches_of_blocks_as_one_request(monkeypatch, part_bytes, in_flight, requests):
+    # A stretch holds at most part x in-flight bytes, and never less than one block.
+    monkeypatch.setattr(knobs, "OBJECT_PART_BYTES", part_bytes)
+    monkeypatch.setattr(knobs, "OBJECT_PARTS_IN_FLIGHT", in_flight)
+    data = bytes(range(256)) * 2                                       # 8 blocks of 64
+    bounds = [0, 30, 64, 200, 333, 512]
+    wanted = [(lo, memoryview(bytearray(hi - lo))) for lo, hi in zip(bounds, bounds[1:])]
+    reader = _GatherCountingRemoteReader(data)
+    read_ranges(reader, wanted, _record_of(data, 64))
+    assert reader.requests == requests
+    assert b"".join(bytes(buf) for _, buf in wanted) == data
+
+
+def test_a_flipped_byte_in_a_stretch_names_its_block():
+    data = bytes(range(256)) * 2
+    record = _record_of(data, 64)
+    corrupt = bytearray(data)
+    corrupt[300] ^= 0x01                                               # block 4 of 8
+    with pytest.raises(ChecksumError, match=r"bytes 256\.\.320 "):
+        read_ranges(_GatherCountingRemoteReader(bytes(corrupt)), [(0, memoryview(bytearray(512)))], record)
+
+
+def test_overlapping_remote_reads_are_still_verified():
+    data = bytes(range(256)) * 2
+    record = _record_of(data, 64)
+    wanted = [(0, memoryview(bytearray(100))), (50, memoryview(bytearray(462)))]   # bytes 50..99 wanted twice
+    read_ranges(_GatherCountingRemoteReader(data), wanted, record)
+    assert bytes(wanted[0][1]) == data[:100] and bytes(wanted[1][1]) == data[50:]
+    corrupt = bytearray(data)
+    corrupt[60] ^= 0x01
+    with pytest.raises(ChecksumError):
+        read_ranges(_GatherCountingRemoteReader(bytes(corrupt)), wanted, record)

@@ -50,7 +50,8 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
     (``reader.extra_reads_are_cheap`` is False: object stores), a block the
     reads cover only in part is read without being verified instead, so a
     rank still fetches only the bytes it needs; the blocks they cover whole
-    are verified, and ``validate_distributed`` hashes every byte. One sweep
+    are verified (a stretch of such blocks in one gather read, as an
+    unverified read fetches them), and ``validate_distributed`` hashes every byte. One sweep
     over the blocks in file order keeps the work linear in blocks + reads. On
     a mismatch, buffers may already hold the block's unverified bytes.
     """
@@ -65,6 +66,15 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
         return
     _check_size(reader, record)
     reads.sort(key=lambda r: r[0])
+    if not reader.extra_reads_are_cheap:
+        _read_remote_verified(reader, record, reads)
+        return
+    for block, start, stop, active in _blocks_with_reads(reads, record):
+        _read_block(reader, record, block, start, stop, active)
+
+
+def _blocks_with_reads(reads: list[tuple[int, memoryview]], record: FileRecord):
+    """``(block, start, stop, reads touching it)`` for each block the (offset-sorted) reads touch, in file order."""
     active: list[tuple[int, memoryview]] = []
     next_read = 0
     for block in _touched_blocks(reads, record.block_bytes):
@@ -74,10 +84,55 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
             active.append(reads[next_read])
             next_read += 1
         active = [(off, buf) for off, buf in active if off + len(buf) > start]
-        if reader.extra_reads_are_cheap or _covered(active, start, stop):
+        yield block, start, stop, active
+
+
+def _read_remote_verified(reader: Reader, record: FileRecord, reads: list[tuple[int, memoryview]]) -> None:
+    """Verified reads where every byte fetched is a download (``read_ranges``' rules, fewer requests).
+
+    Consecutive blocks that the reads tile exactly (no gap, no overlap) are
+    fetched as one gather read of up to ``OBJECT_PART_BYTES x
+    OBJECT_PARTS_IN_FLIGHT`` bytes, its parts in flight at once as an
+    unverified read's are; each block is hashed from the buffers once that
+    stretch has arrived (a download costs far more than this second pass over
+    memory just written). A block covered only in part is read unverified; a
+    block two reads overlap in is read on its own.
+    """
+    stretch_bytes = max(record.block_bytes, knobs.OBJECT_PART_BYTES * max(1, knobs.OBJECT_PARTS_IN_FLIGHT))
+    stretch: list[tuple[int, int, list[memoryview]]] = []  # (block, start, its views), consecutive blocks
+    for block, start, stop, active in _blocks_with_reads(reads, record):
+        views = _tiling_views(active, start, stop)
+        joins = (views is not None and stretch and stretch[-1][0] == block - 1
+                 and stop - stretch[0][1] <= stretch_bytes)
+        if stretch and not joins:
+            _fetch_and_verify(reader, record, stretch)
+            stretch = []
+        if views is not None:
+            stretch.append((block, start, views))
+        elif _covered(active, start, stop):
             _read_block(reader, record, block, start, stop, active)
         else:
             _read_unverified(reader, start, stop, active)
+    if stretch:
+        _fetch_and_verify(reader, record, stretch)
+
+
+def _tiling_views(active: list[tuple[int, memoryview]], start: int, stop: int) -> list[memoryview] | None:
+    """The reads' views of ``[start, stop)`` in file order when they tile it exactly, else None."""
+    runs = _runs(_clipped(active, start, stop))
+    if len(runs) == 1 and runs[0][0] == start and sum(len(v) for v in runs[0][1]) == stop - start:
+        return runs[0][1]
+    return None
+
+
+def _fetch_and_verify(reader: Reader, record: FileRecord, stretch: list[tuple[int, int, list[memoryview]]]) -> None:
+    """One gather read of consecutive tiled blocks, then each block's digest checked."""
+    reader.read_into_views(stretch[0][1], [view for _, _, views in stretch for view in views])
+    for block, start, views in stretch:
+        hasher = xxhash.xxh3_64()
+        for view in views:
+            hasher.update(view)
+        record.verify_digest(block, hasher.hexdigest(), sum(len(v) for v in views), file_name=reader.name)
 
 
 def _covered(active: list[tuple[int, memoryview]], start: int, stop: int) -> bool:
@@ -159,16 +214,6 @@ def _read_block(reader: Reader, record: FileRecord, block: int, start: int, stop
     local files). Bytes two reads both want are hashed once.
     """
     hasher = xxhash.xxh3_64()
-    if not reader.extra_reads_are_cheap:
-        runs = _runs(_clipped(sorted(active, key=lambda r: r[0]), start, stop))
-        if len(runs) == 1 and runs[0][0] == start and sum(len(v) for v in runs[0][1]) == stop - start:
-            # The reads tile the block: one gather read (a request per part, not per tensor), then
-            # the hash over the bytes just received (a download costs far more than this second pass).
-            reader.read_into_views(start, runs[0][1])
-            for view in runs[0][1]:
-                hasher.update(view)
-            record.verify_digest(block, hasher.hexdigest(), stop - start, file_name=reader.name)
-            return
     position = start
     for offset, buf in sorted(active, key=lambda r: r[0]):
         lo, hi = max(start, offset), min(stop, offset + len(buf))
