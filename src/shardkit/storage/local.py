@@ -77,9 +77,13 @@ class _LocalReader(Reader):
             done += n
 
     def read_into_hashed(self, offset: int, out: memoryview, hasher) -> None:
-        # Large reads: hash each slice of the page-cache map (bringing it into
-        # the cache), then copy the now-hot slice out: the file's bytes cross
-        # the memory bus once for both. Else read, then hash what was read.
+        # Large reads: copy each slice out of the page-cache map (which brings
+        # it into the CPU cache), then hash the now-hot slice of the map: the
+        # file's bytes cross the memory bus once for both. Copying first lets
+        # the copy's many loads in flight take the trip from memory, which the
+        # hash's dependent loads do slower: on the 2-core box, 1 GiB in 1 MiB
+        # slices on 2 threads took 0.073-0.080 s against 0.087-0.089 s
+        # hashing first (0.059 s copying alone). Else read, then hash what was read.
         out = out.cast("B") if out.format != "B" else out
         if not (knobs.MMAP_READS and len(out) >= knobs.MMAP_READ_MIN_BYTES
                 and offset + len(out) <= self.size_bytes and self._mapped_address()):
@@ -88,8 +92,8 @@ class _LocalReader(Reader):
         with memoryview(self._map) as whole:
             for start in range(0, len(out), step):
                 n = min(step, len(out) - start)
-                hasher.update(whole[offset + start:offset + start + n])
                 copy_bytes(dst + start, base + offset + start, n)
+                hasher.update(whole[offset + start:offset + start + n])
         self._unmap_pages(offset, len(out))
 
     def hash_range(self, offset: int, nbytes: int, hasher) -> None:
