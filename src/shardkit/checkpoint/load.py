@@ -9,8 +9,8 @@ whole unless it is asked for whole.
 touches (and each file's header) and compares it with the saved record, so
 a corrupt byte raises :class:`ChecksumError`; ``verify=None`` means
 ``knobs.VERIFY_ON_LOAD``, **True**: the blocks are hashed while their bytes
-are hot, in the copy loop (1 GiB on the 2-core box: some 5-13% of a load into
-fresh memory, 29% of an in-place ``out=`` load, where no page fault hides
+are hot, in the copy loop (1 GiB on the 2-core box: some 7-14% of a load into
+fresh memory, 21-40% of an in-place ``out=`` load, where no page fault hides
 the hash; ``verify=False`` skips it). **Zero-copy**: where
 this rank's whole output tensor is one contiguous byte range of one local
 file (the same-world-size load, a replicated tensor, a ``Shard(0)`` chunk)
