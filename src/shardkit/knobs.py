@@ -138,7 +138,8 @@ HASH_SLICE_BYTES: int = 4 * 1024 * 1024
 #: loads means this value). On by default: each block is hashed slice by slice
 #: while its bytes are hot, in the copy loop (``HASH_SLICE_BYTES``): 1 GiB, warm
 #: cache, 2-core box, it cost 7-14% of a load into fresh memory and 21-40% of an
-#: in-place (``out=``) load (it was 17-35% and 42-55% as a second pass). Outputs
+#: in-place (``out=``) load (17-35% of a load as a second pass; 42-55% in place
+#: when each slice was hashed before it was copied). Outputs
 #: mapped zero-copy (``MAP_LOADS``) are not hashed unless ``verify=True``;
 #: ``validate_distributed`` always re-hashes every byte.
 VERIFY_ON_LOAD: bool = True
