@@ -14,7 +14,7 @@ the same state per rank as the thread rows:
   into new directories, timed the same way (a training job saves many times);
 - "rank0 save cpu" is rank 0's process CPU time over a steady save (Gloo's
   threads included, its loop waking every 10 ms); "ranks save cpu" the sum
-  over every rank;
+  over every rank ("ranks first save cpu": the same over the first save);
 - "exchanges wall" the save's 3 rounds alone (``agreement.agree`` in the
   save's slots), between the same barriers;
 - "load" is one rank's ``load`` while the others wait at a barrier (a
@@ -132,6 +132,7 @@ def measure_processes(ranks: int, tensors: int, workdir: str, timeout_s: float =
         "save_wall_s", "exchanges_wall_s")}}
     row["rank0_save_cpu_s"] = rank0["save_cpu_s"]
     row["ranks_save_cpu_s"] = sum(r["save_cpu_s"] for r in per_rank)
+    row["ranks_first_save_cpu_s"] = sum(r["first_save_cpu_s"] for r in per_rank)
     row["load_s"] = min(r["load_s"] for r in per_rank if r["load_s"] is not None)
     row["metadata_bytes"] = os.path.getsize(os.path.join(directory, "metadata.json"))
     shutil.rmtree(directory, ignore_errors=True)
