@@ -29,3 +29,11 @@ def test_a_table_of_process_rows_fits_an_exponent(tmp_path):
     assert all(r["ranks_as"] == "processes" for r in rows)
     table = format_scale_table(rows)
     assert table.splitlines()[-1].startswith("exponent")
+
+
+def test_the_control_compares_one_job_with_many_jobs_at_once(tmp_path):
+    from shardkit.bench.scale_processes import per_rank_cpu_one_job_vs_many
+
+    row = per_rank_cpu_one_job_vs_many(2, 2, 2, str(tmp_path))
+    assert row["processes"] == 4
+    assert all(row[k] > 0 for k in row if k.endswith("_s"))

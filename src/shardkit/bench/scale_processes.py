@@ -22,6 +22,13 @@ the same state per rank as the thread rows:
 - rank 0's received and sent bytes and collectives are counted in rank 0's
   process by ``checkpoint.group.EXCHANGE_OBSERVERS``.
 
+A control (``python -m shardkit.bench.scale_processes JOBS RANKS TENSORS``,
+:func:`per_rank_cpu_one_job_vs_many`): the per-rank CPU of one job of
+JOBS x RANKS ranks against JOBS independent jobs of RANKS ranks each, run at
+once on this machine, and of one RANKS-rank job alone. If the first two are
+equal, what a rank pays grows with the processes sharing the cores, not
+with the ranks it saves with.
+
 What it does not measure: ranks on other machines (``tests/multiproc/test_multinode.py``
 runs two ``torchrun`` launchers), or large tensors.
 
@@ -32,9 +39,12 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 
 from shardkit.bench.scale_bench import states, steady_directories
@@ -137,3 +147,67 @@ def measure_processes(ranks: int, tensors: int, workdir: str, timeout_s: float =
     row["metadata_bytes"] = os.path.getsize(os.path.join(directory, "metadata.json"))
     shutil.rmtree(directory, ignore_errors=True)
     return row
+
+
+def _job_rank(rank: int, world_size: int, tensors: int, directory: str, ready_dir: str, jobs: int) -> dict:
+    """One rank of one of several jobs: every job's ranks start saving once all jobs are up."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        open(os.path.join(ready_dir, f"{os.getpid()}.ready"), "w").close()
+        while len([n for n in os.listdir(ready_dir) if n.endswith(".ready")]) < jobs:
+            time.sleep(0.01)
+    dist.barrier()
+    return _save_counted(rank, tensors, directory)
+
+
+def _run_job(ranks: int, tensors: int, directory: str, ready_dir: str, jobs: int) -> dict:
+    from shardkit.launch import run_local_ranks
+
+    per_rank = run_local_ranks(_job_rank, ranks, tensors, directory, ready_dir, jobs, timeout_s=900,
+                               workdir=os.path.dirname(directory))
+    shutil.rmtree(directory, ignore_errors=True)
+    return {"first_save_cpu_s": [r["first_save_cpu_s"] for r in per_rank],
+            "save_cpu_s": [r["save_cpu_s"] for r in per_rank]}
+
+
+def per_rank_cpu_one_job_vs_many(jobs: int, ranks: int, tensors: int, workdir: str) -> dict:
+    """Mean CPU seconds per rank of a first and a steady save: one job of ``ranks`` ranks alone, one job
+    of ``jobs x ranks`` ranks, then ``jobs`` jobs of ``ranks`` ranks at once (each a ``python -m`` child,
+    started together)."""
+    alone = measure_processes(ranks, tensors, workdir)
+    one = measure_processes(jobs * ranks, tensors, workdir)
+    ready_dir = os.path.join(workdir, "jobs-ready")
+    shutil.rmtree(ready_dir, ignore_errors=True)
+    os.makedirs(ready_dir)
+    children = [subprocess.Popen([sys.executable, "-m", "shardkit.bench.scale_processes", "--job", str(ranks),
+                                  str(tensors), os.path.join(workdir, f"job{j}"), ready_dir, str(jobs)],
+                                 stdout=subprocess.PIPE, text=True) for j in range(jobs)]
+    many = [json.loads(child.communicate()[0].strip().splitlines()[-1]) for child in children]
+    if any(child.returncode for child in children):
+        raise RuntimeError(f"a job of the control failed: exit codes {[c.returncode for c in children]}")
+    n = jobs * ranks
+    return {"processes": n,
+            "one_small_job_alone_first_save_cpu_per_rank_s": alone["ranks_first_save_cpu_s"] / ranks,
+            "one_small_job_alone_save_cpu_per_rank_s": alone["ranks_save_cpu_s"] / ranks,
+            "one_job_first_save_cpu_per_rank_s": one["ranks_first_save_cpu_s"] / n,
+            "one_job_save_cpu_per_rank_s": one["ranks_save_cpu_s"] / n,
+            "many_jobs_first_save_cpu_per_rank_s": sum(sum(m["first_save_cpu_s"]) for m in many) / n,
+            "many_jobs_save_cpu_per_rank_s": sum(sum(m["save_cpu_s"]) for m in many) / n}
+
+
+def main(argv: list[str]) -> None:
+    """``JOBS RANKS TENSORS``: print the control's figures (``--job ...`` is one child job)."""
+    if argv[0] == "--job":
+        ranks, tensors, directory, ready_dir, jobs = int(argv[1]), int(argv[2]), argv[3], argv[4], int(argv[5])
+        print(json.dumps(_run_job(ranks, tensors, directory, ready_dir, jobs)), flush=True)
+        return
+    import tempfile
+
+    jobs, ranks, tensors = (int(a) for a in argv[:3])
+    with tempfile.TemporaryDirectory(prefix="shardkit-scale-control-") as tmp:
+        print(json.dumps(per_rank_cpu_one_job_vs_many(jobs, ranks, tensors, tmp), indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
