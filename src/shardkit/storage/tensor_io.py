@@ -51,9 +51,10 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
     reads cover only in part is read without being verified instead, so a
     rank still fetches only the bytes it needs; the blocks they cover whole
     are verified (a stretch of such blocks in one gather read, as an
-    unverified read fetches them), and ``validate_distributed`` hashes every byte. One sweep
-    over the blocks in file order keeps the work linear in blocks + reads. On
-    a mismatch, buffers may already hold the block's unverified bytes.
+    unverified read fetches them), and ``validate_distributed`` hashes every
+    byte. One sweep over the blocks in file order keeps the work linear in
+    blocks + reads. On a mismatch, buffers may already hold the block's
+    unverified bytes.
     """
     reads = [(offset, buf.cast("B") if buf.format != "B" else buf) for offset, buf in reads if len(buf)]
     if record is None:
@@ -128,7 +129,7 @@ def _tiling_views(active: list[tuple[int, memoryview]], start: int, stop: int) -
 def _fetch_and_verify(reader: Reader, record: FileRecord, stretch: list[tuple[int, int, list[memoryview]]]) -> None:
     """One gather read of consecutive tiled blocks, then each block's digest checked."""
     reader.read_into_views(stretch[0][1], [view for _, _, views in stretch for view in views])
-    for block, start, views in stretch:
+    for block, _start, views in stretch:
         hasher = xxhash.xxh3_64()
         for view in views:
             hasher.update(view)
