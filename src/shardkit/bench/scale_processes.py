@@ -149,13 +149,20 @@ def measure_processes(ranks: int, tensors: int, workdir: str, timeout_s: float =
     return row
 
 
+#: How long a job of the control waits for the others to start (64 processes on 2 cores take a while).
+_JOBS_START_TIMEOUT_S = 300.0
+
+
 def _job_rank(rank: int, world_size: int, tensors: int, directory: str, ready_dir: str, jobs: int) -> dict:
     """One rank of one of several jobs: every job's ranks start saving once all jobs are up."""
     import torch.distributed as dist
 
     if rank == 0:
         open(os.path.join(ready_dir, f"{os.getpid()}.ready"), "w").close()
+        deadline = time.monotonic() + _JOBS_START_TIMEOUT_S
         while len([n for n in os.listdir(ready_dir) if n.endswith(".ready")]) < jobs:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not all {jobs} jobs of the control started within {_JOBS_START_TIMEOUT_S} s")
             time.sleep(0.01)
     dist.barrier()
     return _save_counted(rank, tensors, directory)
@@ -183,9 +190,10 @@ def per_rank_cpu_one_job_vs_many(jobs: int, ranks: int, tensors: int, workdir: s
     children = [subprocess.Popen([sys.executable, "-m", "shardkit.bench.scale_processes", "--job", str(ranks),
                                   str(tensors), os.path.join(workdir, f"job{j}"), ready_dir, str(jobs)],
                                  stdout=subprocess.PIPE, text=True) for j in range(jobs)]
-    many = [json.loads(child.communicate()[0].strip().splitlines()[-1]) for child in children]
+    outputs = [child.communicate()[0] for child in children]
     if any(child.returncode for child in children):
         raise RuntimeError(f"a job of the control failed: exit codes {[c.returncode for c in children]}")
+    many = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
     n = jobs * ranks
     return {"processes": n,
             "one_small_job_alone_first_save_cpu_per_rank_s": alone["ranks_first_save_cpu_s"] / ranks,
