@@ -1,17 +1,28 @@
 """Build hook for the one optional C extension; every other setting is in pyproject.toml.
 
-``shardkit._stream_copy`` (non-temporal copies for checkpoint staging) is
-optional: without a C compiler the install still succeeds and staging uses
-ctypes.memmove instead.
+``shardkit._stream_copy`` (non-temporal copies for checkpoint staging, and
+an xxh3 hasher that copies and hashes in one pass, on xxHash vendored in
+``src/shardkit/_vendor/xxhash``) is optional: without a C compiler the
+install still succeeds, staging uses ctypes.memmove and hashing the
+``xxhash`` package.
 """
 
+import platform
+
 from setuptools import Extension, setup
+
+XXHASH = "src/shardkit/_vendor/xxhash"
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 setup(
     ext_modules=[
         Extension(
             "shardkit._stream_copy",
-            sources=["src/shardkit/_stream_copy.c"],
+            # xxHash's run-time AVX2/SSE2 dispatch exists for x86 only; elsewhere its default code path is used.
+            sources=["src/shardkit/_stream_copy.c", "src/shardkit/_xxh3_hasher.c"]
+            + ([f"{XXHASH}/xxh_x86dispatch.c"] if X86 else []),
+            include_dirs=["src/shardkit", XXHASH],
+            depends=["src/shardkit/_stream_copy.h", f"{XXHASH}/xxhash.h", f"{XXHASH}/xxh_x86dispatch.h"],
             extra_compile_args=["-O2"],
             optional=True,
         )

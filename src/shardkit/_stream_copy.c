@@ -9,9 +9,13 @@
  * traffic. This copies with streaming stores at any size (AVX2 when the CPU
  * has it, SSE2 otherwise) and releases the GIL while it runs. Other CPUs get
  * plain memcpy. Regions must not overlap (the Python wrapper checks).
+ *
+ * The module also holds Xxh3 (_xxh3_hasher.c): an xxh3-64 hasher that can
+ * copy a slice and hash it in the same pass.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "_stream_copy.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -69,7 +73,7 @@ static void sk_stream_sse2(char *dst, const char *src, size_t n) {
 }
 #endif
 
-static void sk_copy(char *dst, const char *src, size_t n) {
+void sk_copy(char *dst, const char *src, size_t n) {
 #ifdef SK_STREAMING
     if (sk_have_avx2) {
         sk_stream_avx2(dst, src, n);
@@ -118,5 +122,10 @@ PyMODINIT_FUNC PyInit__stream_copy(void) {
     __builtin_cpu_init();
     sk_have_avx2 = __builtin_cpu_supports("avx2");
 #endif
-    return PyModule_Create(&sk_module);
+    PyObject *module = PyModule_Create(&sk_module);
+    if (module != NULL && sk_add_xxh3_type(module) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

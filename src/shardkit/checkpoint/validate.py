@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import xxhash
-
 from shardkit import knobs
 from shardkit.checkpoint.logs import logged
 from shardkit.checkpoint.manifest import Manifest, data_file_name, file_records
@@ -28,7 +26,7 @@ from shardkit.checkpoint.plan import chunks_by_file
 from shardkit.checkpoint.read_path import open_checkpoint
 from shardkit.errors import CheckpointError
 from shardkit.layout import Box
-from shardkit.storage import FileRecord, Reader, SafetensorsHeader, read_header, storage_for
+from shardkit.storage import FileRecord, Reader, SafetensorsHeader, new_block_hasher, read_header, storage_for
 
 __all__ = ["ValidationReport", "validate_distributed"]
 
@@ -135,7 +133,7 @@ def _check_bytes(reader: Reader, name: str, record: FileRecord, problems: list[s
     buf = memoryview(bytearray(min(record.block_bytes, record.bytes, knobs.IO_CHUNK_BYTES)))
     for index, start in enumerate(range(0, record.bytes, record.block_bytes)):
         stop = min(start + record.block_bytes, record.bytes)
-        hasher = xxhash.xxh3_64()
+        hasher = new_block_hasher()
         for position in range(start, stop, len(buf)):
             view = buf[: min(len(buf), stop - position)]
             reader.read_into(position, view)

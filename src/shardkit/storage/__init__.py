@@ -9,7 +9,7 @@ from shardkit.storage.backend import BufferReader, FsspecStorage, LocalStorage, 
 from shardkit.storage.base import StreamSink
 from shardkit.storage.fsspec_store import fetched_bytes
 from shardkit.storage.lock import is_lock_name
-from shardkit.storage.checksum import ALGORITHM, BlockHasher, FileRecord
+from shardkit.storage.checksum import ALGORITHM, BlockHasher, FileRecord, new_block_hasher
 from shardkit.storage.json_io import parse_json_object
 from shardkit.storage.parallel import run_parallel
 from shardkit.storage.paths import check_relative_name
@@ -48,6 +48,7 @@ __all__ = [
     "fsync_dir",
     "is_lock_name",
     "is_temp_name",
+    "new_block_hasher",
     "parse_header",
     "parse_json_object",
     "read_header",

@@ -25,7 +25,12 @@ from shardkit import knobs
 from shardkit.errors import ChecksumError, MetadataError
 from shardkit.storage.json_io import expect_int, short_repr
 
-__all__ = ["ALGORITHM", "FileRecord", "BlockHasher", "block_digest", "combine_block_digests"]
+try:
+    from shardkit._stream_copy import Xxh3 as _Xxh3
+except ImportError:  # built without a C compiler: the xxhash package's hasher
+    _Xxh3 = None
+
+__all__ = ["ALGORITHM", "FileRecord", "BlockHasher", "block_digest", "combine_block_digests", "new_block_hasher"]
 
 ALGORITHM = "xxh3_64_blocks"
 
@@ -42,6 +47,20 @@ _DIGEST = re.compile("[0-9a-f]{16}")
 def block_digest(data) -> str:
     """Hex xxh3-64 digest of one block's bytes (any buffer)."""
     return xxhash.xxh3_64_hexdigest(data)
+
+
+def new_block_hasher():
+    """A fresh xxh3-64 hasher (``.update(buffer)``, ``.hexdigest()``) for one block's bytes.
+
+    The extension's ``shardkit._stream_copy.Xxh3`` where it was built (its
+    ``copy_update`` lets ``storage.memcopy.copy_and_hash`` copy and hash in
+    one pass), else ``xxhash.xxh3_64()``. Both give the same digests; either
+    may be fed from several threads, one update at a time.
+
+    >>> h = new_block_hasher(); h.update(b"abc"); h.hexdigest() == block_digest(b"abc")
+    True
+    """
+    return _Xxh3() if _Xxh3 is not None else xxhash.xxh3_64()
 
 
 def combine_block_digests(block_checksums: list[str]) -> str:
@@ -120,7 +139,7 @@ class BlockHasher:
         self.block_bytes = block_bytes
         self._total = 0
         self._filled = 0
-        self._current = xxhash.xxh3_64()
+        self._current = new_block_hasher()
         self._digests: list[str] = []
 
     def update(self, data) -> None:
@@ -140,7 +159,7 @@ class BlockHasher:
 
     def _close_block(self) -> None:
         self._digests.append(self._current.hexdigest())
-        self._current = xxhash.xxh3_64()
+        self._current = new_block_hasher()
         self._filled = 0
 
     def finish(self) -> FileRecord:

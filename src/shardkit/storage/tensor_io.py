@@ -16,11 +16,10 @@ Example::
 from __future__ import annotations
 
 import torch
-import xxhash
 
 from shardkit import knobs
 from shardkit.storage.backend import Reader
-from shardkit.storage.checksum import FileRecord
+from shardkit.storage.checksum import FileRecord, new_block_hasher
 
 __all__ = ["byte_view", "read_ranges"]
 
@@ -130,7 +129,7 @@ def _fetch_and_verify(reader: Reader, record: FileRecord, stretch: list[tuple[in
     """One gather read of consecutive tiled blocks, then each block's digest checked."""
     reader.read_into_views(stretch[0][1], [view for _, _, views in stretch for view in views])
     for block, _start, views in stretch:
-        hasher = xxhash.xxh3_64()
+        hasher = new_block_hasher()
         for view in views:
             hasher.update(view)
         record.verify_digest(block, hasher.hexdigest(), sum(len(v) for v in views), file_name=reader.name)
@@ -214,7 +213,7 @@ def _read_block(reader: Reader, record: FileRecord, block: int, start: int, stop
     without being kept (``Reader.hash_range``: from the page-cache map for
     local files). Bytes two reads both want are hashed once.
     """
-    hasher = xxhash.xxh3_64()
+    hasher = new_block_hasher()
     position = start
     for offset, buf in sorted(active, key=lambda r: r[0]):
         lo, hi = max(start, offset), min(stop, offset + len(buf))
