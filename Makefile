@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test bench docs clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard src/shardkit/*.c src/shardkit/*.h src/shardkit/_vendor/xxhash/*) requirements-dev.txt
+$(STAMP): pyproject.toml setup.py $(wildcard src/shardkit/*.c src/shardkit/*.h third_party/xxhash/*) requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt

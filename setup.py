@@ -2,7 +2,7 @@
 
 ``shardkit._stream_copy`` (non-temporal copies for checkpoint staging, and
 an xxh3 hasher that copies and hashes in one pass, on xxHash vendored in
-``src/shardkit/_vendor/xxhash``) is optional: without a C compiler the
+``third_party/xxhash``) is optional: without a C compiler the
 install still succeeds, staging uses ctypes.memmove and hashing the
 ``xxhash`` package.
 """
@@ -11,7 +11,7 @@ import platform
 
 from setuptools import Extension, setup
 
-XXHASH = "src/shardkit/_vendor/xxhash"
+XXHASH = "third_party/xxhash"
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 setup(

@@ -9,7 +9,7 @@
  * that stay in the L2 cache, in one call with the GIL released: the hash
  * then reads what the copy just loaded.
  *
- * The hashing is xxHash's own (vendored, unmodified, in _vendor/xxhash/;
+ * The hashing is xxHash's own (vendored, unmodified, in third_party/xxhash/;
  * AVX2 or SSE2 picked at run time on x86), so digests equal the xxhash
  * package's xxh3_64. An object may be shared between threads: a lock
  * serialises its updates, as hashlib's objects do.
