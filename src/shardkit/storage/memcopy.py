@@ -6,7 +6,9 @@ compiler is there) copies of at least ``knobs.STREAM_COPY_MIN_BYTES`` use
 non-temporal stores: on the 2-core benchmark machine, 2 GiB in 8 MiB chunks
 on two threads took 0.12 s against 0.18 s with ``memmove``. Without the
 extension, or for small or overlapping copies, this is ``ctypes.memmove``.
-Both release the GIL. This module moves bytes only; it knows no tensors.
+Both release the GIL. :func:`copy_and_hash` also feeds the copied bytes to a
+block hasher in the same pass (a verified load). This module moves bytes
+only; it knows no tensors.
 
 Example::
 
