@@ -100,9 +100,13 @@ def test_new_block_hasher_is_the_extensions_where_built():
     assert type(new_block_hasher()) is (Xxh3 if Xxh3 is not None else type(xxhash.xxh3_64()))
 
 
+@pytest.mark.parametrize("extension", [True, False], ids=["extension", "no-extension"])
 @pytest.mark.parametrize("mapped", [True, False])
-def test_a_flipped_byte_in_a_large_mapped_read_is_caught(tmp_path, monkeypatch, mapped):
+def test_a_flipped_byte_in_a_large_mapped_read_is_caught(tmp_path, monkeypatch, mapped, extension):
     # Reads of at least MMAP_READ_MIN_BYTES take the page-cache map and copy_and_hash; smaller ones preadv.
+    # "no-extension": what an install without a C compiler does (xxhash's hasher, the sliced loop).
+    if not extension:
+        monkeypatch.setattr(checksum, "_Xxh3", None)
     monkeypatch.setattr(knobs, "CHECKSUM_BLOCK_BYTES", 1024 * 1024)
     monkeypatch.setattr(knobs, "MMAP_READ_MIN_BYTES", 1 if mapped else 1 << 40)
     tensor = _bytes(3 * 1024 * 1024)
