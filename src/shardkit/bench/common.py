@@ -18,6 +18,13 @@ from typing import Callable
 from shardkit.storage.read_ahead import wait_for_prefetch
 
 
+#: Cases whose every run is short and swings with the VM's page-fault speed far
+#: more than the effect they measure (a 3-40 ms dict load, a verified load
+#: against an unverified one) run at least this many times whatever ``reps``
+#: says: one hiccup moves a median of 3 by up to 2x.
+NOISY_MIN_REPS = 11
+
+
 def time_reps(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> dict:
     """Median/min/max seconds of ``fn()`` over ``reps`` runs (``setup()`` untimed before each)."""
     times = []

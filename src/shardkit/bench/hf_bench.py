@@ -46,7 +46,7 @@ import shutil
 
 import torch
 
-from shardkit.bench.common import evict_files, row, time_interleaved, warm_files
+from shardkit.bench.common import NOISY_MIN_REPS, evict_files, row, time_interleaved, warm_files
 
 
 def _state(size_bytes: int) -> dict[str, torch.Tensor]:
@@ -126,11 +126,6 @@ def _raw_read(targets: list[torch.Tensor], path: str) -> None:
         os.close(fd)
 
 
-#: The dict loads (lazy and touched) run at least this many times whatever ``reps`` says:
-#: each takes 3-40 ms, so one page-fault hiccup of the VM moves a median of 3 by 2x.
-DICT_MIN_REPS = 11
-
-
 def _interleaved(impls: dict, reps: int, setup=None) -> dict[str, dict]:
     """:func:`shardkit.bench.common.time_interleaved` where an impl may be ``(fn, own_setup)``;
     ``own_setup`` (or else ``setup``) runs untimed before every call."""
@@ -185,7 +180,7 @@ def _load_rows(state, nbytes, reps, workdir) -> list[dict]:
         "ours_lazy": lambda: load_checkpoint(ours_dir, None),
         "st_lazy": lambda: load_file(single),
         "st_touch": lambda: _touch(load_file(single)),
-    }, max(reps, DICT_MIN_REPS))
+    }, max(reps, NOISY_MIN_REPS))  # 3-40 ms each
     t |= _interleaved({
         "ours": lambda: load_checkpoint(ours_dir, model),
         "hub": lambda: load_torch_model(model, hub_dir, strict=True),

@@ -63,12 +63,10 @@ class _LocalReader(Reader):
 
     def read_into(self, offset: int, out: memoryview) -> None:
         out = out.cast("B") if out.format != "B" else out
-        if knobs.MMAP_READS and len(out) >= knobs.MMAP_READ_MIN_BYTES and offset + len(out) <= self.size_bytes:
-            base = self._mapped_address()
-            if base:
-                copy_bytes(buffer_address(out), base + offset, len(out))
-                self._unmap_pages(offset, len(out))
-                return
+        if self._copies_from_map(offset, len(out)):
+            copy_bytes(buffer_address(out), self._map_address + offset, len(out))
+            self._unmap_pages(offset, len(out))
+            return
         done = 0
         while done < len(out):
             n = os.preadv(self._fd, [out[done:]], offset + done)
@@ -82,8 +80,7 @@ class _LocalReader(Reader):
         # extension's hasher), so the file's bytes cross the memory bus once
         # for both. Else read, then hash what was read.
         out = out.cast("B") if out.format != "B" else out
-        if not (knobs.MMAP_READS and len(out) >= knobs.MMAP_READ_MIN_BYTES
-                and offset + len(out) <= self.size_bytes and self._mapped_address()):
+        if not self._copies_from_map(offset, len(out)):
             return super().read_into_hashed(offset, out, hasher)
         with memoryview(self._map) as whole:
             copy_and_hash(buffer_address(out), whole[offset:offset + len(out)], hasher)
@@ -108,6 +105,11 @@ class _LocalReader(Reader):
         prefetch_mapped(private, [(offset - start, nbytes)])  # pages mapped in the background, ahead of use
         return memoryview(private)[offset - start:offset - start + nbytes]
 
+
+    def _copies_from_map(self, offset: int, nbytes: int) -> bool:
+        """Whether a read of ``nbytes`` at ``offset`` copies from the page-cache map (large, inside the file, mappable)."""
+        return (knobs.MMAP_READS and nbytes >= knobs.MMAP_READ_MIN_BYTES and offset + nbytes <= self.size_bytes
+                and bool(self._mapped_address()))
 
     def _mapped_address(self) -> int:
         with self._map_lock:
