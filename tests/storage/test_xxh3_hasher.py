@@ -87,6 +87,57 @@ def test_copy_and_hash_copies_every_byte_and_hashes_them(hasher_kind, n, src_off
 
 
 @needs_extension
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(0, 70_000), src_off=st.integers(0, 63), dst_off=st.integers(0, 63),
+       prefix=st.integers(0, 700), cuts=st.lists(st.integers(0, 70_000), max_size=5))
+def test_copy_update_in_pieces_at_any_alignment_is_xxhash_and_a_copy(n, src_off, dst_off, prefix, cuts):
+    # The fused accumulate stores aligned windows that need not start where xxh3's stripes do; the
+    # bytes xxh3 buffers (a prefix fed by update(), each piece's head and tail) are copied apart.
+    src, dst = _bytes(n + 64, seed=n), torch.zeros(n + 128, dtype=torch.uint8)
+    data = src.numpy()[src_off:src_off + n]
+    head = bytes(range(256)) * 3
+    hasher = Xxh3()
+    hasher.update(head[:prefix])
+    bounds = sorted({0, n, *(c for c in cuts if c <= n)})
+    for lo, hi in zip(bounds, bounds[1:]):
+        hasher.copy_update(dst.data_ptr() + dst_off + lo, buffer_address(data) + lo, hi - lo)
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(head[:prefix] + data.tobytes())
+    assert torch.equal(dst[dst_off:dst_off + n], src[src_off:src_off + n])
+    assert not dst[:dst_off].any() and not dst[dst_off + n:].any()
+
+
+_GUARD_PAGE_SCRIPT = """
+import ctypes, mmap, sys, xxhash
+from shardkit._stream_copy import Xxh3
+page = mmap.PAGESIZE
+region = mmap.mmap(-1, 9 * page)
+libc = ctypes.CDLL(None, use_errno=True)
+base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+assert libc.mprotect(ctypes.c_void_p(base + 8 * page), page, 0) == 0  # the page after the source: no access
+for n in (1, 63, 64, 257, 1000, 4097, 8 * page - 1, 8 * page):
+    for dst_off in range(0, 64, 7):
+        src = base + 8 * page - n  # the source ends where the guard page begins
+        region[8 * page - n:8 * page] = bytes(i % 251 for i in range(n))
+        dst = ctypes.create_string_buffer(n + 64)
+        hasher = Xxh3()
+        hasher.copy_update(ctypes.addressof(dst) + dst_off, src, n)
+        assert dst.raw[dst_off:dst_off + n] == region[8 * page - n:8 * page]
+        assert hasher.intdigest() == xxhash.xxh3_64_intdigest(region[8 * page - n:8 * page])
+print("ok")
+"""
+
+
+@needs_extension
+def test_copy_update_never_reads_past_the_source():
+    # A source that ends at a no-access page: one byte read past it is a crash, so it runs in a child.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _GUARD_PAGE_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@needs_extension
 def test_copy_and_hash_without_streaming_copies_takes_the_sliced_path(monkeypatch):
     monkeypatch.setattr(knobs, "STREAM_COPY", False)
     src, dst = _bytes(2 * 1024 * 1024 + 3), torch.zeros(2 * 1024 * 1024 + 3, dtype=torch.uint8)
