@@ -51,8 +51,7 @@ def copy_and_hash(dst_addr: int, src: memoryview, hasher) -> None:
     about 1.05x); without AVX2, L2-sized strides are copied, then hashed.
     Otherwise (an ``xxhash`` hasher, no extension, ``knobs.STREAM_COPY`` off,
     overlapping memory) slices of ``knobs.HASH_SLICE_BYTES`` are copied, then
-    hashed from ``src`` while
-    they are still in the cache. It does not check the digest.
+    hashed from ``src`` while they are still in the cache. It does not check the digest.
 
     Example::
 
