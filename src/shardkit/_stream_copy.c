@@ -106,10 +106,28 @@ static PyObject *sk_py_kind(PyObject *self, PyObject *unused) {
 #endif
 }
 
+static PyObject *sk_py_use_avx2(PyObject *self, PyObject *arg) {
+    (void)self;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) {
+        return NULL;
+    }
+#ifdef SK_STREAMING
+    sk_have_avx2 = on && __builtin_cpu_supports("avx2");
+    sk_xxh3_use_avx2(sk_have_avx2);
+    return PyBool_FromLong(sk_have_avx2);
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef sk_methods[] = {
     {"copy", sk_py_copy, METH_VARARGS,
      "copy(dst_addr, src_addr, nbytes): copy nbytes between non-overlapping addresses, GIL released."},
     {"kind", sk_py_kind, METH_NOARGS, "kind() -> str: which copy loop this CPU uses."},
+    {"_use_avx2", sk_py_use_avx2, METH_O,
+     "_use_avx2(on) -> bool: for tests, whether the AVX2 loops may run (only where the CPU has AVX2); "
+     "returns whether they run now. Otherwise the SSE2 ones do."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -121,6 +139,7 @@ PyMODINIT_FUNC PyInit__stream_copy(void) {
 #ifdef SK_STREAMING
     __builtin_cpu_init();
     sk_have_avx2 = __builtin_cpu_supports("avx2");
+    sk_xxh3_use_avx2(sk_have_avx2);
 #endif
     PyObject *module = PyModule_Create(&sk_module);
     if (module != NULL && sk_add_xxh3_type(module) < 0) {

@@ -12,6 +12,9 @@
 /* Copy n bytes between non-overlapping regions with non-temporal stores where the CPU has them. */
 void sk_copy(char *dst, const char *src, size_t n);
 
+/* Let Xxh3.copy_update use its AVX2 loop (1) or not (0): _stream_copy._use_avx2() sets both modules' choice. */
+void sk_xxh3_use_avx2(int on);
+
 /* Add the Xxh3 type to the module; 0 on success, -1 with an exception set. */
 int sk_add_xxh3_type(PyObject *module);
 

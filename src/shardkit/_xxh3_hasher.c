@@ -291,11 +291,15 @@ static PyTypeObject Xxh3Type = {
     .tp_methods = xxh3_methods,
 };
 
-int sk_add_xxh3_type(PyObject *module) {
+void sk_xxh3_use_avx2(int on) {
 #ifdef SK_FUSED_AVX2
-    __builtin_cpu_init();
-    sk_fused_avx2 = __builtin_cpu_supports("avx2");
+    sk_fused_avx2 = on;
+#else
+    (void)on;
 #endif
+}
+
+int sk_add_xxh3_type(PyObject *module) {
     if (PyType_Ready(&Xxh3Type) < 0) {
         return -1;
     }

@@ -12,12 +12,16 @@ from shardkit import knobs
 from shardkit.storage import memcopy
 
 
-@pytest.fixture(params=["stream", "memmove"])
+@pytest.fixture(params=["stream", "stream-sse2", "memmove"])
 def path(request, monkeypatch):
-    if request.param == "stream":
+    """``stream``: the extension's loop for this CPU; ``stream-sse2``: its SSE2 one (a CPU without AVX2)."""
+    if request.param.startswith("stream"):
         if memcopy._stream_copy is None:
             pytest.skip("shardkit._stream_copy was not built here")
         monkeypatch.setattr(knobs, "STREAM_COPY_MIN_BYTES", 1)
+        if request.param == "stream-sse2":
+            had_avx2 = memcopy._stream_copy._use_avx2(False)
+            request.addfinalizer(lambda: memcopy._stream_copy._use_avx2(had_avx2))
     else:
         monkeypatch.setattr(knobs, "STREAM_COPY", False)
     return request.param

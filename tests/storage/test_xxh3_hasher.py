@@ -1,5 +1,6 @@
 """The extension's xxh3 hasher and copy_and_hash: xxhash's digests, every byte copied, corruption still caught."""
 
+import contextlib
 import threading
 
 import pytest
@@ -15,6 +16,21 @@ from shardkit.storage.memcopy import buffer_address
 
 Xxh3 = checksum._Xxh3
 needs_extension = pytest.mark.skipif(Xxh3 is None, reason="shardkit._stream_copy was not built here")
+
+
+@contextlib.contextmanager
+def _simd(avx2: bool):
+    """Run the extension's AVX2 loops or, as on a CPU without AVX2, its SSE2 ones."""
+    from shardkit import _stream_copy
+
+    before = _stream_copy._use_avx2(True)
+    if avx2 and not before:
+        pytest.skip("this CPU has no AVX2")
+    _stream_copy._use_avx2(avx2)
+    try:
+        yield
+    finally:
+        _stream_copy._use_avx2(before)
 
 
 def _bytes(n: int, seed: int = 0) -> torch.Tensor:
@@ -87,12 +103,19 @@ def test_copy_and_hash_copies_every_byte_and_hashes_them(hasher_kind, n, src_off
 
 
 @needs_extension
-@settings(max_examples=80, deadline=None)
+@pytest.mark.parametrize("avx2", [True, False], ids=["avx2", "sse2"])
+@settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 70_000), src_off=st.integers(0, 63), dst_off=st.integers(0, 63),
        prefix=st.integers(0, 700), cuts=st.lists(st.integers(0, 70_000), max_size=5))
-def test_copy_update_in_pieces_at_any_alignment_is_xxhash_and_a_copy(n, src_off, dst_off, prefix, cuts):
-    # The fused accumulate stores aligned windows that need not start where xxh3's stripes do; the
-    # bytes xxh3 buffers (a prefix fed by update(), each piece's head and tail) are copied apart.
+def test_copy_update_in_pieces_at_any_alignment_is_xxhash_and_a_copy(avx2, n, src_off, dst_off, prefix, cuts):
+    # AVX2: the fused accumulate stores aligned windows that need not start where xxh3's stripes do;
+    # the bytes xxh3 buffers (a prefix fed by update(), each piece's head and tail) are copied apart.
+    # SSE2 (a CPU without AVX2): a stride is copied, then hashed.
+    with _simd(avx2):
+        _copy_update_in_pieces(n, src_off, dst_off, prefix, cuts)
+
+
+def _copy_update_in_pieces(n, src_off, dst_off, prefix, cuts):
     src, dst = _bytes(n + 64, seed=n), torch.zeros(n + 128, dtype=torch.uint8)
     data = src.numpy()[src_off:src_off + n]
     head = bytes(range(256)) * 3
@@ -108,7 +131,8 @@ def test_copy_update_in_pieces_at_any_alignment_is_xxhash_and_a_copy(n, src_off,
 
 _GUARD_PAGE_SCRIPT = """
 import ctypes, mmap, sys, xxhash
-from shardkit._stream_copy import Xxh3
+from shardkit._stream_copy import Xxh3, _use_avx2
+_use_avx2(sys.argv[1] == "avx2")
 page = mmap.PAGESIZE
 region = mmap.mmap(-1, 9 * page)
 libc = ctypes.CDLL(None, use_errno=True)
@@ -128,12 +152,14 @@ print("ok")
 
 
 @needs_extension
-def test_copy_update_never_reads_past_the_source():
+@pytest.mark.parametrize("simd", ["avx2", "sse2"])
+def test_copy_update_never_reads_past_the_source(simd):
     # A source that ends at a no-access page: one byte read past it is a crash, so it runs in a child.
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _GUARD_PAGE_SCRIPT], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", _GUARD_PAGE_SCRIPT, simd], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
