@@ -224,6 +224,11 @@ def test_demo_refuses_a_bad_target(tmp_path, kind):
 
 def test_bench_refuses_a_missing_workdir(tmp_path):
     _assert_one_line_error(_cli("bench", "--workdir", tmp_path / "missing"), 2, "bench")
+    # ``python -m shardkit.bench`` too: argparse's usage and the same reason, no traceback
+    proc = subprocess.run([sys.executable, "-m", "shardkit.bench", "--workdir", str(tmp_path / "missing")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "is not an existing directory" in proc.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("command", ["inspect", "validate", "demo"])

@@ -63,10 +63,12 @@ typedef struct {
 static __thread SkCopyPlan *sk_plan;
 /* How far ahead of the stripe being hashed to prefetch (1 KiB measured best of 0.4-4 KiB). */
 #define SK_PREFETCH_BYTES 1024
+/* Whether copy_update runs the fused AVX2 loop (set at import, and by _stream_copy._use_avx2). */
 static int sk_fused_avx2 = 0;
 
-/* One 64-byte stripe of xxh3's AVX2 accumulate (xxhash.h's
- * XXH3_accumulate_512_avx2), with the data registers also stored to dst. */
+/* One 64-byte stripe at `in` of xxh3's AVX2 accumulate (xxhash.h's
+ * XXH3_accumulate_512_avx2, into registers a0 and a1), with STORE (the
+ * copy's stores, or nothing) issued right after the stripe's loads. */
 #define SK_STRIPE(STORE)                                                              \
     do {                                                                              \
         __m256i d0 = _mm256_loadu_si256((const __m256i *)(in));                       \

@@ -68,6 +68,13 @@ def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
     return run_hf_benchmarks(size, reps, workdir)
 
 
+def workdir_problem(workdir: str | None) -> str | None:
+    """What is wrong with ``--workdir`` (it must be an existing directory), or None."""
+    if workdir is None or os.path.isdir(workdir):
+        return None
+    return f"--workdir {workdir} is not an existing directory; create it, or leave --workdir out for a temp dir"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark options, shared by ``shardkit bench`` and ``python -m shardkit.bench``."""
     parser.add_argument("--size", default=None,
@@ -93,6 +100,11 @@ def run(args: argparse.Namespace, error=None) -> int:
     """Run the suites ``args`` names (``args`` as :func:`add_arguments` defines them)."""
     from shardkit.bench.common import format_table, write_json
 
+    problem = workdir_problem(args.workdir)
+    if problem is not None:
+        if error is None:
+            raise ValueError(problem)
+        error(problem)
     size = _parse_size(args.size or DEFAULT_SIZE)
     suites = [s for s in args.only.split(",") if s]
     unknown = set(suites) - set(SUITES)

@@ -12,8 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import os
-
 from shardkit.cli.target import InputError
 
 
@@ -27,8 +25,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    if args.workdir is not None and not os.path.isdir(args.workdir):
-        raise InputError(f"--workdir {args.workdir} is not an existing directory")
-    from shardkit.bench.runner import run as run_benchmarks
+    from shardkit.bench.runner import run as run_benchmarks, workdir_problem
 
+    problem = workdir_problem(args.workdir)
+    if problem is not None:
+        raise InputError(problem)
     return run_benchmarks(args, args._bench_error)
