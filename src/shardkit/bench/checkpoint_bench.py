@@ -15,7 +15,7 @@ import torch
 
 from shardkit.bench import peers
 from shardkit.bench.async_first import IMPLS as FIRST_CALL_IMPLS, first_call_blocked
-from shardkit.bench.common import NOISY_MIN_REPS, row, time_interleaved, warm_files
+from shardkit.bench.common import FIRST_CALL_MIN_REPS, NOISY_MIN_REPS, row, time_interleaved, warm_files
 from shardkit.bench.workload import make_state, state_bytes
 from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, load_distributed, save_distributed
 
@@ -167,7 +167,7 @@ def bench_load_into(state, workdir: str, reps: int) -> list[dict]:
                                               lambda p: peers.dcp_load_into(dcp_out, p)),
         "read from page cache into them, 1 thread (limit)": ("into-raw", lambda p: peers.raw_write(state, p),
                                                               lambda p: peers.raw_read_into(raw_out, p)),
-    }, workdir, reps, state_bytes(state))
+    }, workdir, max(reps, NOISY_MIN_REPS), state_bytes(state))
 
 
 def bench_async(state, workdir: str, reps: int, size_bytes: int | None = None) -> list[dict]:
@@ -198,7 +198,7 @@ def bench_async(state, workdir: str, reps: int, size_bytes: int | None = None) -
 def _bench_async_first(size_bytes: int, workdir: str, reps: int) -> list[dict]:
     path = os.path.join(workdir, "async-first")
     times: dict[str, list[float]] = {impl: [] for impl in FIRST_CALL_IMPLS}
-    for rep in range(max(1, reps)):
+    for rep in range(max(reps, FIRST_CALL_MIN_REPS)):
         for impl in (list(FIRST_CALL_IMPLS)[::-1] if rep % 2 else list(FIRST_CALL_IMPLS)):
             shutil.rmtree(path, ignore_errors=True)
             os.sync()

@@ -20,9 +20,14 @@ from shardkit.storage.read_ahead import wait_for_prefetch
 
 #: Cases whose every run is short and swings with the VM's page-fault speed far
 #: more than the effect they measure (a 3-40 ms dict load, a verified load
-#: against an unverified one) run at least this many times whatever ``reps``
-#: says: one hiccup moves a median of 3 by up to 2x.
+#: against an unverified one, a 0.1 s in-place load) run at least this many
+#: times whatever ``reps`` says: one hiccup moves a median of 3 by up to 2x.
 NOISY_MIN_REPS = 11
+
+#: The first background save runs in a new process per sample (~10 s each):
+#: at least this many samples per impl, as one slow-memory minute on the VM
+#: moved a single sample from 0.8 to 1.8 s.
+FIRST_CALL_MIN_REPS = 5
 
 
 def time_reps(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> dict:
