@@ -143,13 +143,14 @@ HASH_SLICE_BYTES: int = 4 * 1024 * 1024
 #: compare it with the saved record (``verify=None`` in ``shardkit.checkpoint``
 #: loads means this value). On by default: each block is hashed while its
 #: bytes are hot, in the same pass as the copy (``memcopy.copy_and_hash``: one
-#: C loop with the extension's hasher). 1 GiB, warm cache, 2-core box, 11
-#: interleaved runs each: a load into fresh memory took 0.90-1.13x the
-#: unverified one's time over 11 runs (median 1.05x), an in-place (``out=``)
-#: load 1.15-1.32x, where no page fault hides xxh3's ~30 ms of CPU per GiB
-#: (hashing each 4 MiB slice in a second call after its copy: 1.09-1.20x and
-#: 1.38x). Outputs mapped zero-copy (``MAP_LOADS``) are not hashed unless
-#: ``verify=True``; ``validate_distributed`` always re-hashes every byte.
+#: C loop with the extension's hasher, each 64-byte stripe loaded once for
+#: both with AVX2). 1 GiB, warm cache, 2-core box, at least 11 interleaved
+#: runs each: a load into fresh memory took 0.90-1.13x the unverified one's
+#: time (median 1.05x over 15 runs), an in-place (``out=``) load, where no
+#: page fault hides the hash, 1.05-1.12x (copy, then hash each 256 KiB
+#: stride: 1.15-1.32x; each 4 MiB slice in a second call: 1.38x). Outputs
+#: mapped zero-copy (``MAP_LOADS``) are not hashed unless ``verify=True``;
+#: ``validate_distributed`` always re-hashes every byte.
 VERIFY_ON_LOAD: bool = True
 
 #: Distributed loads (``load_distributed``, ``reshard``, ``load_consolidated``)
