@@ -18,10 +18,12 @@ from typing import Callable
 from shardkit.storage.read_ahead import wait_for_prefetch
 
 
-#: Cases whose every run is short and swings with the VM's page-fault speed far
-#: more than the effect they measure (a 3-40 ms dict load, a verified load
-#: against an unverified one, a 0.1 s in-place load) run at least this many
-#: times whatever ``reps`` says: one hiccup moves a median of 3 by up to 2x.
+#: Cases whose runs swing with the VM's page-fault speed far more than the
+#: effect they measure (a 3-40 ms dict load, a verified load against an
+#: unverified one, a 0.1 s in-place load, a 1 GiB save into the page cache:
+#: 0.3-0.4 s, and 1-3 s in one run out of three or four, whichever tool
+#: saves) run at least this many times whatever ``reps`` says: one hiccup
+#: moves a median of 3 by up to 2x, two of them by 5x.
 NOISY_MIN_REPS = 11
 
 #: The first background save runs in a new process per sample (~10 s each):

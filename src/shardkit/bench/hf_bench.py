@@ -31,7 +31,9 @@ compaction; the PMD-mapped share of the cached files drops), and a mapped
 load timed next pays for it, 10 ms in one rep and 40-90 ms in the next
 whichever impl it is. Every pair compared still runs interleaved in one group.
 
-Each figure is the median of ``reps`` interleaved runs. Nothing here asserts a time.
+Each figure is the median of ``reps`` interleaved runs (at least
+``common.NOISY_MIN_REPS`` for the saves and the dict loads, whose runs swing
+most with the VM). Nothing here asserts a time.
 
 Example::
 
@@ -146,7 +148,7 @@ def _save_rows(state, nbytes, reps, workdir) -> list[dict]:
         "hub": lambda: save_torch_state_dict(state, d),
         "hub_sync": lambda: (save_torch_state_dict(state, d), _fsync_tree(d)),
         "raw": lambda: _raw_write(state, os.path.join(d, "raw.bin")),
-    }, reps, lambda: _fresh(d))
+    }, max(reps, NOISY_MIN_REPS), lambda: _fresh(d))
     shutil.rmtree(d, ignore_errors=True)
     synced, unsynced = "hf save, fsync'd (safetensors)", "hf save, no fsync (safetensors)"
     return [
@@ -248,7 +250,7 @@ def _llama_save_rows(model, nbytes, reps, ours_dir, tf_dir) -> list[dict]:
                         lambda: _fresh(ours_dir)),
         "tf": (lambda: model.save_pretrained(tf_dir), lambda: _fresh(tf_dir)),
         "tf_sync": (lambda: (model.save_pretrained(tf_dir), _fsync_tree(tf_dir)), lambda: _fresh(tf_dir)),
-    }, reps)
+    }, max(reps, NOISY_MIN_REPS))
     synced, unsynced = "hf save, Llama, fsync'd", "hf save, Llama, no fsync"
     return [
         row(synced, "shardkit", t["ours"], bytes=nbytes, note="atomic, fsync'd"),
