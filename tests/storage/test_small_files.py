@@ -42,3 +42,32 @@ def test_a_distributed_save_of_small_tensors_round_trips_and_validates(tmp_path,
     loaded = load_distributed(str(tmp_path / "ck"), 0, 1, verify=True)
     for name, t in _state().items():
         assert torch.equal(loaded[name], t)
+
+
+def _write_pools(monkeypatch) -> list[str]:
+    """Record the thread_name_prefix of every pool the writer starts."""
+    started: list[str] = []
+    real = writer.ThreadPoolExecutor
+    monkeypatch.setattr(writer, "ThreadPoolExecutor",
+                        lambda *a, **k: started.append(k.get("thread_name_prefix", "")) or real(*a, **k))
+    return started
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_buffered_writes_of_plain_cpu_tensors_take_the_callers_thread(tmp_path, monkeypatch, durable):
+    # Nothing to prepare between pieces: a writer thread would only add hand-offs (on the 2-core VM
+    # a 1 GiB save without fsync took 0.34 s inline against 0.76 s through the thread, median of 9).
+    monkeypatch.setattr(knobs, "SMALL_FILE_BYTES", 0)
+    monkeypatch.setattr(knobs, "DIRECT_IO", False)  # buffered writes, as where O_DIRECT is not taken
+    plain = sorted(_state().items())
+    started = _write_pools(monkeypatch)
+    write_safetensors(LocalStorage(), str(tmp_path / "plain.safetensors"), plain, durable=durable)
+    assert "shardkit-write" not in started
+    # A tensor that needs preparing (here a strided view, copied before it is written) keeps the thread,
+    # so its preparation overlaps the writes; the bytes are the same.
+    strided = [(name, t.t() if name == "b" else t) for name, t in plain]
+    strided_bytes = [(name, t.contiguous()) for name, t in strided]
+    write_safetensors(LocalStorage(), str(tmp_path / "strided.safetensors"), strided, durable=durable)
+    assert "shardkit-write" in started
+    write_safetensors(LocalStorage(), str(tmp_path / "same.safetensors"), strided_bytes, durable=durable)
+    assert (tmp_path / "strided.safetensors").read_bytes() == (tmp_path / "same.safetensors").read_bytes()

@@ -251,7 +251,8 @@ class Storage:
         (``torch.load``, ``zipfile``). Prefer :meth:`open_reader` for byte ranges."""
         raise NotImplementedError
 
-    def open_sink(self, f: BinaryIO, durable: bool = True, checksum: bool = False, size_bytes: int | None = None):
+    def open_sink(self, f: BinaryIO, durable: bool = True, checksum: bool = False, size_bytes: int | None = None,
+                  inline: bool = False):
         """The fastest way this store takes a file's bytes in order, given the file
         object :meth:`atomic_writer` yielded: an object with ``write(piece)``,
         ``drain()`` (wait for what was handed over), ``close()`` and ``hasher``.
@@ -259,6 +260,10 @@ class Storage:
         ``size_bytes``, the file's final size where the caller knows it, lets
         a backend write a small file more simply (the local one writes files
         under ``knobs.SMALL_FILE_BYTES`` inline: no threads, no ``O_DIRECT``).
+        ``inline`` says the caller has nothing to do between pieces (every
+        tensor is plain CPU memory): a backend that would hand buffered writes
+        to a thread may make them in the caller's thread instead (the local
+        one does: a thread then only adds hand-offs).
 
         A sink may also have ``piece_bytes``: the size of the pieces it takes
         best (an object store's part size); without it writers hand over

@@ -233,14 +233,16 @@ class LocalStorage(Storage):
         except FileNotFoundError as e:
             raise MissingShardError(f"{path} does not exist") from e
 
-    def open_sink(self, f, durable: bool = True, checksum: bool = False, size_bytes: int | None = None):
+    def open_sink(self, f, durable: bool = True, checksum: bool = False, size_bytes: int | None = None,
+                  inline: bool = False):
         """``O_DIRECT`` for durable writes where the file system takes it, else
-        positional buffered writes from a few threads (``storage.writer``);
-        a small file (``size_bytes`` under ``knobs.SMALL_FILE_BYTES``) is
-        written inline by the calling thread, made durable by the publish's fsync."""
+        positional buffered writes from a few threads (``storage.writer``), or
+        from the calling thread with ``inline``; a small file (``size_bytes``
+        under ``knobs.SMALL_FILE_BYTES``) is written inline too, made durable
+        by the publish's fsync."""
         from shardkit.storage.writer import _local_sink  # the sinks live beside the writer
 
-        return _local_sink(f.fileno(), durable, checksum, size_bytes)
+        return _local_sink(f.fileno(), durable, checksum, size_bytes, inline)
 
     def open_reader(self, path: str) -> Reader:
         try:

@@ -67,6 +67,11 @@ def _materialise(t: TensorLike) -> torch.Tensor:
     return (t.cpu() if t.device.type != "cpu" else t).contiguous()
 
 
+def _ready_as_is(t: TensorLike) -> bool:
+    """Whether ``_materialise(t)`` has nothing to do: a contiguous CPU tensor, no loader, no copy."""
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
+
+
 def write_safetensors(
     storage: Storage,
     path: str,
@@ -93,10 +98,13 @@ def write_safetensors(
     header = layout.header
     hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES) if checksum else None
     small = layout.size_bytes < knobs.SMALL_FILE_BYTES
+    # Nothing to prepare between pieces (no lazy, device or strided tensor): the caller would only
+    # wait for a writer thread, so the sink may write in the caller's thread.
+    inline = all(_ready_as_is(t) for _, t in named_tensors)
     # One hashing worker keeps the updates in file order; a small file is hashed inline.
     with _InlineCalls() if small else ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash") as hashing:
         with storage.atomic_writer(path, durable) as f:
-            sink = storage.open_sink(f, durable, checksum, size_bytes=layout.size_bytes)
+            sink = storage.open_sink(f, durable, checksum, size_bytes=layout.size_bytes, inline=inline)
             step = getattr(sink, "piece_bytes", None) or knobs.IO_CHUNK_BYTES
             try:
                 for view, lazy in _views(header, order):
@@ -159,15 +167,17 @@ class _InlineCalls:
         return None
 
 
-def _local_sink(fd: int, durable: bool, checksum: bool = False, size_bytes: int | None = None):
+def _local_sink(fd: int, durable: bool, checksum: bool = False, size_bytes: int | None = None,
+                inline: bool = False):
     """Direct I/O for durable writes where the file system takes it (hashing the bytes it writes
     when ``checksum``), else positional buffered writes (``LocalStorage.open_sink``); a file
-    known to be under ``knobs.SMALL_FILE_BYTES`` is written inline (the publish's fsync makes it durable)."""
+    known to be under ``knobs.SMALL_FILE_BYTES`` is written inline (the publish's fsync makes it
+    durable), and so are buffered writes when ``inline`` says the caller has nothing to overlap."""
     if size_bytes is not None and size_bytes < knobs.SMALL_FILE_BYTES:
         return _PositionalSink(fd, start_writeback=False, threads=0)
     hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES) if checksum else None
     direct = open_direct_sink(fd, hasher) if durable else None
-    return direct if direct is not None else _PositionalSink(fd, durable)
+    return direct if direct is not None else _PositionalSink(fd, durable, threads=0 if inline else None)
 
 
 class _PositionalSink:
