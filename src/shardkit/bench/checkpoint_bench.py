@@ -15,7 +15,7 @@ import torch
 
 from shardkit.bench import peers
 from shardkit.bench.async_first import IMPLS as FIRST_CALL_IMPLS, first_call_blocked
-from shardkit.bench.common import FIRST_CALL_MIN_REPS, NOISY_MIN_REPS, row, time_interleaved, warm_files
+from shardkit.bench.common import FIRST_CALL_MIN_REPS, NOISY_MIN_REPS, VERIFY_MIN_REPS, row, time_interleaved, warm_files
 from shardkit.bench.workload import make_state, state_bytes
 from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, load_distributed, save_distributed
 
@@ -121,7 +121,7 @@ def bench_verify(state, workdir: str, reps: int) -> list[dict]:
     hash runs in the copy loop while the bytes are hot. ``shardkit`` is the
     default (verified); the ratio printed for ``verify=False`` is its time
     over the verified one's (>= 0.91 meets the 1.1x bound). Runs at least
-    ``common.NOISY_MIN_REPS`` times whatever ``reps`` says: a load into fresh memory
+    ``common.VERIFY_MIN_REPS`` times whatever ``reps`` says: a load into fresh memory
     swings by +-30% on the 2-core VM with how fast it hands out pages, far
     more than the hash costs, and a median of 3 does not settle the ratio.
     """
@@ -137,7 +137,7 @@ def bench_verify(state, workdir: str, reps: int) -> list[dict]:
         timings = time_interleaved({
             "shardkit": lambda: load_distributed(path, 0, 1, verify=True),
             "shardkit verify=False": lambda: load_distributed(path, 0, 1, verify=False),
-        }, max(reps, NOISY_MIN_REPS))
+        }, max(reps, VERIFY_MIN_REPS))
     finally:
         knobs.MAP_LOADS = saved
         shutil.rmtree(path, ignore_errors=True)

@@ -26,6 +26,11 @@ from shardkit.storage.read_ahead import wait_for_prefetch
 #: moves a median of 3 by up to 2x, two of them by 5x.
 NOISY_MIN_REPS = 11
 
+#: The verified-against-unverified fresh load: two 0.2-0.5 s loads into fresh
+#: memory per rep, whose spread within one run (up to 2.5x) dwarfs the 2-5%
+#: that hashing costs; 11 reps put the ratio's median anywhere in 1.03-1.12.
+VERIFY_MIN_REPS = 21
+
 #: The first background save runs in a new process per sample (~10 s each):
 #: at least this many samples per impl, as one slow-memory minute on the VM
 #: moved a single sample from 0.8 to 1.8 s.
