@@ -146,8 +146,8 @@ HASH_SLICE_BYTES: int = 4 * 1024 * 1024
 #: C loop with the extension's hasher, each 64-byte stripe loaded once for
 #: both with AVX2). 1 GiB, warm cache, 2-core box, at least 11 interleaved
 #: runs each: a load into fresh memory took 0.90-1.13x the unverified one's
-#: time (median 1.05x over 15 runs), an in-place (``out=``) load, where no
-#: page fault hides the hash, 1.05-1.12x (copy, then hash each 256 KiB
+#: time (median 1.05x over 20 runs), an in-place (``out=``) load, where no
+#: page fault hides the hash, 1.03-1.12x (copy, then hash each 256 KiB
 #: stride: 1.15-1.32x; each 4 MiB slice in a second call: 1.38x). Outputs
 #: mapped zero-copy (``MAP_LOADS``) are not hashed unless ``verify=True``;
 #: ``validate_distributed`` always re-hashes every byte.

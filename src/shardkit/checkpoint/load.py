@@ -11,7 +11,7 @@ a corrupt byte raises :class:`ChecksumError`; ``verify=None`` means
 ``knobs.VERIFY_ON_LOAD``, **True**: each byte is hashed in the same pass
 that copies it (1 GiB on the 2-core box: a load into fresh memory takes
 0.90-1.13x, median 1.05x, the unverified one's time, an in-place ``out=``
-load 1.05-1.12x, where no page fault hides the hash; ``verify=False`` skips it). **Zero-copy**: where
+load 1.03-1.12x, where no page fault hides the hash; ``verify=False`` skips it). **Zero-copy**: where
 this rank's whole output tensor is one contiguous byte range of one local
 file (the same-world-size load, a replicated tensor, a ``Shard(0)`` chunk)
 and ``out`` is not given, the tensor is returned over a private
