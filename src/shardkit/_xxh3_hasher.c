@@ -21,7 +21,6 @@
 #include <pythread.h>
 #include <stdint.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include "_stream_copy.h"
 

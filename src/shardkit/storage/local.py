@@ -105,7 +105,6 @@ class _LocalReader(Reader):
         prefetch_mapped(private, [(offset - start, nbytes)])  # pages mapped in the background, ahead of use
         return memoryview(private)[offset - start:offset - start + nbytes]
 
-
     def _copies_from_map(self, offset: int, nbytes: int) -> bool:
         """Whether a read of ``nbytes`` at ``offset`` copies from the page-cache map (large, inside the file, mappable)."""
         return (knobs.MMAP_READS and nbytes >= knobs.MMAP_READ_MIN_BYTES and offset + nbytes <= self.size_bytes

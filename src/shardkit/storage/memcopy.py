@@ -48,7 +48,7 @@ def copy_and_hash(dst_addr: int, src: memoryview, hasher) -> None:
     C call copies and hashes, the GIL released: with AVX2 each 64-byte stripe
     is loaded once, hashed and streamed to ``dst_addr`` (an in-place 1 GiB
     load on the 2-core VM went from 1.15-1.32x the unverified one's time to
-    about 1.05x); without AVX2, L2-sized strides are copied, then hashed.
+    1.03-1.12x); without AVX2, L2-sized strides are copied, then hashed.
     Otherwise (an ``xxhash`` hasher, no extension, ``knobs.STREAM_COPY`` off,
     overlapping memory) slices of ``knobs.HASH_SLICE_BYTES`` are copied, then
     hashed from ``src`` while they are still in the cache. It does not check the digest.
