@@ -237,7 +237,7 @@ def _bench_async_steady(state, workdir: str, reps: int) -> list[dict]:
         shutil.rmtree(path, ignore_errors=True)
         os.sync()
 
-    timings = time_interleaved(impls, reps, drain)
+    timings = time_interleaved(impls, max(reps, NOISY_MIN_REPS), drain)
     drain()
     steady.close()
     return [row("async steady: caller blocked", impl, timing, kind="limit" if "limit" in impl else "peer",

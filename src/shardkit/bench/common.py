@@ -22,8 +22,9 @@ from shardkit.storage.read_ahead import wait_for_prefetch
 #: effect they measure (a 3-40 ms dict load, a verified load against an
 #: unverified one, a 0.1 s in-place load, a 1 GiB save into the page cache:
 #: 0.3-0.4 s, and 1-3 s in one run out of three or four, whichever tool
-#: saves) run at least this many times whatever ``reps`` says: one hiccup
-#: moves a median of 3 by up to 2x, two of them by 5x.
+#: saves; a steady-state ``save_async``, one 0.06-0.10 s copy of the state)
+#: run at least this many times whatever ``reps`` says: one hiccup moves a
+#: median of 3 by up to 2x, two of them by 5x.
 NOISY_MIN_REPS = 11
 
 #: The verified-against-unverified fresh load: two 0.2-0.5 s loads into fresh
