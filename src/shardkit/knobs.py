@@ -149,8 +149,9 @@ HASH_SLICE_BYTES: int = 4 * 1024 * 1024
 #: time (median 1.05x over 20 runs), an in-place (``out=``) load, where no
 #: page fault hides the hash, 1.03-1.12x (copy, then hash each 256 KiB
 #: stride: 1.15-1.32x; each 4 MiB slice in a second call: 1.38x). Outputs
-#: mapped zero-copy (``MAP_LOADS``) are not hashed unless ``verify=True``;
-#: ``validate_distributed`` always re-hashes every byte.
+#: mapped zero-copy (``MAP_LOADS``) are not hashed unless ``verify=True``,
+#: nor are object-store blocks a rank needs only part of (hashing one would
+#: download the rest); ``validate_distributed`` always re-hashes every byte.
 VERIFY_ON_LOAD: bool = True
 
 #: Distributed loads (``load_distributed``, ``reshard``, ``load_consolidated``)

@@ -164,3 +164,25 @@ def test_missing_directory(tmp_path):
     with pytest.raises(MissingShardError, match="does not exist"):
         load_distributed(tmp_path / "nowhere", 0, 1)
     assert "does not exist" in _problems(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("block_bytes", [768, 3072])   # neither divides the read-job window (1024 here)
+def test_object_store_load_verifies_blocks_that_straddle_job_windows(monkeypatch, block_bytes):
+    # Read jobs cover whole blocks: a block cut between two jobs would reach each
+    # only in part, and an object store reads such a block unverified.
+    import fsspec
+
+    from shardkit.checkpoint import execute, save_distributed
+
+    monkeypatch.setattr(knobs, "CHECKSUM_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(execute, "_JOB_BYTES", 1024)
+    url = f"memory://shardkit-straddle-{block_bytes}/ck"
+    save_distributed({"w": torch.arange(4096, dtype=torch.float32)}, url, 0, 1, None)
+    fs = fsspec.filesystem("memory")
+    data_file = max(fs.find(url), key=lambda p: fs.size(p))
+    data = bytearray(fs.cat_file(data_file))
+    data[block_bytes + 300] ^= 0x01                     # a block that crosses the window edge at 1024
+    fs.pipe_file(data_file, bytes(data))
+    with pytest.raises(ChecksumError, match="do not match their checksum"):
+        load_distributed(url, 0, 1, verify=True)
+    fs.rm(url, recursive=True)

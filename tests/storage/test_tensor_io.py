@@ -249,3 +249,27 @@ def test_overlapping_remote_reads_are_still_verified():
     corrupt[60] ^= 0x01
     with pytest.raises(ChecksumError):
         read_ranges(_GatherCountingRemoteReader(bytes(corrupt)), wanted, record)
+
+
+@pytest.mark.parametrize("offset, nbytes", [(140, 40), (150, 1), (-5, 10)])
+def test_a_verified_read_outside_the_file_raises_like_an_unverified_one(offset, nbytes):
+    # The block walk clips blocks to the file: without the check, bytes 150.. of
+    # the first case were left unwritten without an error.
+    data = b"A" * 150
+    record = _record_of(data, 100)
+    out = memoryview(bytearray(b"\xee" * nbytes))
+    with pytest.raises(EOFError, match="wanted"):
+        read_ranges(BufferReader("f", data), [(offset, out)], record)
+    with pytest.raises(EOFError, match="wanted"):
+        read_ranges(BufferReader("f", data), [(offset, out)])
+
+
+def test_an_object_store_read_outside_the_file_raises():
+    store, path = storage_for("memory://shardkit-outside/f.bin")
+    with store.atomic_writer(path) as f:
+        f.write(b"B" * 150)
+    with store.open_reader(path) as reader:
+        for offset, nbytes in [(140, 40), (-5, 10)]:
+            with pytest.raises(EOFError, match="wanted"):
+                read_ranges(reader, [(offset, memoryview(bytearray(nbytes)))])
+    store.remove(path)

@@ -149,7 +149,7 @@ def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str
             if scattered:
                 jobs.append(lambda f=chunk.file, b=entry_begin, ps=scattered, o=out: _read_scattered(files, f, b, ps, o))
     for file, reads in direct.items():
-        for batch in _batches(reads):
+        for batch in _batches(reads, _window_bytes(files.get(file)[2])):
             jobs.append(lambda f=file, rs=batch: _read_direct(files, f, rs))
     run_parallel(jobs)
     return outputs
@@ -281,19 +281,28 @@ def _check_entry(files: OpenFiles, name: str, chunk: ChunkRead, dtype: torch.dty
     return entry.begin
 
 
-def _batches(reads: list[tuple[int, memoryview]]):
-    """Group direct reads into jobs by the ``_JOB_BYTES`` window of the file they fall in (big ones cut at
+def _window_bytes(record: FileRecord | None) -> int:
+    """The file window one read job covers: ``_JOB_BYTES`` rounded up to whole checksum blocks of ``record``."""
+    if record is None:
+        return _JOB_BYTES
+    return -(-_JOB_BYTES // record.block_bytes) * record.block_bytes
+
+
+def _batches(reads: list[tuple[int, memoryview]], window_bytes: int):
+    """Group direct reads into jobs by the ``window_bytes`` window of the file they fall in (big ones cut at
     window edges), for the threads.
 
-    Windows start at file offsets that are multiples of ``_JOB_BYTES`` (so of any
-    checksum block size dividing it): no verified block is shared by two jobs,
-    which would each read and hash it.
+    Windows start at file offsets that are multiples of ``window_bytes``, a
+    whole number of checksum blocks (``_window_bytes``): no verified block is
+    shared by two jobs. A shared block would be read and hashed by both
+    locally, and on an object store each job would see it only in part and
+    read it unverified.
     """
     windows: dict[int, list[tuple[int, memoryview]]] = {}
     for offset, view in reads:
-        cuts = range(_JOB_BYTES - offset % _JOB_BYTES, len(view), _JOB_BYTES)
+        cuts = range(window_bytes - offset % window_bytes, len(view), window_bytes)
         for start, stop in zip([0, *cuts], [*cuts, len(view)]):
-            windows.setdefault((offset + start) // _JOB_BYTES, []).append((offset + start, view[start:stop]))
+            windows.setdefault((offset + start) // window_bytes, []).append((offset + start, view[start:stop]))
     return [windows[w] for w in sorted(windows)]
 
 

@@ -7,7 +7,11 @@ whole unless it is asked for whole.
 
 **Verification**: a load that copies hashes every checksum block it
 touches (and each file's header) and compares it with the saved record, so
-a corrupt byte raises :class:`ChecksumError`; ``verify=None`` means
+a corrupt byte raises :class:`ChecksumError` (after an in-place ``out=``
+load raised it, the tensors may hold the bad block's bytes). From an object
+store, a block this rank needs only part of is read unverified: hashing it
+would download the rest (``validate_distributed`` checks every byte);
+blocks it reads whole are hashed. ``verify=None`` means
 ``knobs.VERIFY_ON_LOAD``, **True**: each byte is hashed in the same pass
 that copies it (1 GiB on the 2-core box: a load into fresh memory takes
 0.90-1.13x, median 1.05x, the unverified one's time, an in-place ``out=``

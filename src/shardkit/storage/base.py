@@ -125,7 +125,7 @@ class BufferReader(Reader):
     def read_into(self, offset: int, out: memoryview) -> None:
         out = out.cast("B") if out.format != "B" else out
         got = max(0, min(len(out), self.size_bytes - offset))
-        if got < len(out):
+        if got < len(out) or offset < 0:
             raise self._short(offset, len(out), got)
         out[:] = self._view[offset:offset + len(out)]
 

@@ -107,7 +107,8 @@ class _LocalReader(Reader):
 
     def _copies_from_map(self, offset: int, nbytes: int) -> bool:
         """Whether a read of ``nbytes`` at ``offset`` copies from the page-cache map (large, inside the file, mappable)."""
-        return (knobs.MMAP_READS and nbytes >= knobs.MMAP_READ_MIN_BYTES and offset + nbytes <= self.size_bytes
+        return (knobs.MMAP_READS and nbytes >= knobs.MMAP_READ_MIN_BYTES and 0 <= offset
+                and offset + nbytes <= self.size_bytes
                 and bool(self._mapped_address()))
 
     def _mapped_address(self) -> int:
