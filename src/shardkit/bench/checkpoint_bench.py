@@ -167,7 +167,7 @@ def bench_load_into(state, workdir: str, reps: int) -> list[dict]:
                                               lambda p: peers.dcp_load_into(dcp_out, p)),
         "read from page cache into them, 1 thread (limit)": ("into-raw", lambda p: peers.raw_write(state, p),
                                                               lambda p: peers.raw_read_into(raw_out, p)),
-    }, workdir, max(reps, NOISY_MIN_REPS), state_bytes(state))
+    }, workdir, max(reps, VERIFY_MIN_REPS), state_bytes(state))
 
 
 def bench_async(state, workdir: str, reps: int, size_bytes: int | None = None) -> list[dict]:

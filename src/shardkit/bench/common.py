@@ -19,17 +19,18 @@ from shardkit.storage.read_ahead import wait_for_prefetch
 
 
 #: Cases whose runs swing with the VM's page-fault speed far more than the
-#: effect they measure (a 3-40 ms dict load, a verified load against an
-#: unverified one, a 0.1 s in-place load, a 1 GiB save into the page cache:
+#: effect they measure (a 3-40 ms dict load, a 1 GiB save into the page cache:
 #: 0.3-0.4 s, and 1-3 s in one run out of three or four, whichever tool
 #: saves; a steady-state ``save_async``, one 0.06-0.10 s copy of the state)
 #: run at least this many times whatever ``reps`` says: one hiccup moves a
 #: median of 3 by up to 2x, two of them by 5x.
 NOISY_MIN_REPS = 11
 
-#: The verified-against-unverified fresh load: two 0.2-0.5 s loads into fresh
-#: memory per rep, whose spread within one run (up to 2.5x) dwarfs the 2-5%
-#: that hashing costs; 11 reps put the ratio's median anywhere in 1.03-1.12.
+#: The verified-against-unverified loads: fresh, two 0.2-0.5 s loads into
+#: fresh memory per rep, whose spread within one run (up to 2.5x) dwarfs the
+#: 2-5% that hashing costs (11 reps put the ratio's median anywhere in
+#: 1.03-1.12); in place, 0.08-0.10 s loads whose ratio read 1.03-1.12 at 11
+#: reps, and 1.04-1.14 between two pairs of the same loads in one run.
 VERIFY_MIN_REPS = 21
 
 #: The first background save runs in a new process per sample (~10 s each):
