@@ -102,6 +102,13 @@ class Reader:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def check_inside(self, offset: int, nbytes: int) -> None:
+        """Raise ``EOFError`` unless the ``nbytes`` at ``offset`` all lie inside the file (reads nothing)."""
+        if offset < 0:
+            raise EOFError(f"{self.name}: wanted {nbytes} bytes at offset {offset}; file offsets start at 0")
+        if offset + nbytes > self.size_bytes:
+            raise self._short(offset, nbytes, max(0, self.size_bytes - offset))
+
     def _short(self, offset: int, wanted: int, got: int) -> EOFError:
         return EOFError(
             f"{self.name}: wanted {wanted} bytes at offset {offset}, the file ended after {got}; "
@@ -124,9 +131,7 @@ class BufferReader(Reader):
 
     def read_into(self, offset: int, out: memoryview) -> None:
         out = out.cast("B") if out.format != "B" else out
-        got = max(0, min(len(out), self.size_bytes - offset))
-        if got < len(out) or offset < 0:
-            raise self._short(offset, len(out), got)
+        self.check_inside(offset, len(out))
         out[:] = self._view[offset:offset + len(out)]
 
     def close(self) -> None:

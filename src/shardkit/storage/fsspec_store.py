@@ -108,8 +108,7 @@ class _RangeReader(Reader):
         wanted = sum(len(v) for v in views)
         if wanted == 0:
             return
-        if offset < 0 or offset + wanted > self.size_bytes:
-            raise self._short(offset, wanted, max(0, min(wanted, self.size_bytes - offset)))
+        self.check_inside(offset, wanted)
         parts = _parts(offset, views, max(1, knobs.OBJECT_PART_BYTES))
         got = self._fetch(parts)
         if got != wanted:

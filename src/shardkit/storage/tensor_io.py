@@ -65,7 +65,8 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
                 reader.read_into_views(offset, views)
         return
     _check_size(reader, record)
-    _check_inside(reader, reads)
+    for offset, buf in reads:  # the block walk clips blocks to the file: a read past its end would go short silently
+        reader.check_inside(offset, len(buf))
     reads.sort(key=lambda r: r[0])
     if not reader.extra_reads_are_cheap:
         _read_remote_verified(reader, record, reads)
@@ -193,17 +194,6 @@ def _read_chunked(reader: Reader, offset: int, buf: memoryview) -> None:
     step = knobs.IO_CHUNK_BYTES
     for start in range(0, len(buf), step):
         reader.read_into(offset + start, buf[start : start + step])
-
-
-def _check_inside(reader: Reader, reads: list[tuple[int, memoryview]]) -> None:
-    """Refuse a read outside the file before any is done (``EOFError``, as an unverified read raises).
-
-    The block walk clips blocks to the file's size, so a read running past
-    the end would otherwise leave its buffer's tail unwritten without a word.
-    """
-    for offset, buf in reads:
-        if offset < 0 or offset + len(buf) > reader.size_bytes:
-            raise reader._short(offset, len(buf), max(0, min(len(buf), reader.size_bytes - offset)))
 
 
 def _check_size(reader: Reader, record: FileRecord) -> None:
