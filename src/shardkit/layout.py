@@ -20,6 +20,8 @@ Example::
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -34,6 +36,7 @@ __all__ = [
     "whole_box",
     "intersect",
     "overlapping_chunks",
+    "cover_problem",
     "c_strides",
     "linear_index",
     "is_contiguous_box",
@@ -132,6 +135,54 @@ def overlapping_chunks(chunk_boxes: Sequence[Box], want: Box) -> list[tuple[int,
         if overlap is not None:
             found.append((index, overlap))
     return found
+
+
+#: ``cover_problem`` checks a grid of at most this many cells per box (plus 1024) unless told otherwise.
+GRID_CELLS_PER_BOX = 16
+
+
+def cover_problem(full_shape: Sequence[int], boxes: Sequence[Box], max_cells: int | None = None) -> str | None:
+    """What is wrong with ``boxes`` as an exact cover of ``full_shape`` (no gap, no overlap), or None.
+
+    Each box must have one offset and one size per dimension, none negative,
+    and lie inside the shape. Linear in the boxes: their offsets cut each
+    dimension, the cuts form a grid, and each box marks the grid cells it
+    spans; a cell marked twice is an overlap, and with no overlap equal
+    volumes mean no gap. A grid of more than ``max_cells`` cells (default:
+    ``GRID_CELLS_PER_BOX`` per box, plus 1024; far more cells than boxes
+    means a hand-made layout) is refused rather than checked at
+    a cost the caller's file merely claims. Empty boxes are allowed anywhere
+    inside the shape. It says what it found; it raises nothing.
+
+    >>> cover_problem((4,), [Box((0,), (2,)), Box((2,), (2,))]) is None
+    True
+    >>> cover_problem((4,), [Box((0,), (2,)), Box((1,), (2,))])
+    'overlapping boxes (one at offsets [1])'
+    """
+    rank = len(full_shape)
+    for b in boxes:
+        if len(b.offsets) != rank or len(b.sizes) != rank:
+            return f"a box at offsets {list(b.offsets)} sizes {list(b.sizes)} does not have {rank} dimensions"
+        if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(b.offsets, b.sizes, full_shape)):
+            return f"a box at offsets {list(b.offsets)} sizes {list(b.sizes)} leaves the shape {list(full_shape)}"
+    nonempty = [b for b in boxes if math.prod(b.sizes)]
+    covered = sum(math.prod(b.sizes) for b in nonempty)
+    if covered != math.prod(full_shape):
+        return f"the boxes hold {covered} elements, the shape {list(full_shape)} has {math.prod(full_shape)}"
+    cuts = [sorted({0, n, *(b.offsets[d] for b in nonempty), *(b.offsets[d] + b.sizes[d] for b in nonempty)})
+            for d, n in enumerate(full_shape)]
+    cells = math.prod(len(dim_cuts) - 1 for dim_cuts in cuts)
+    if cells > (GRID_CELLS_PER_BOX * len(boxes) + 1024 if max_cells is None else max_cells):
+        return f"the {len(nonempty)} boxes do not form a grid (their cuts make {cells} cells)"
+    marked: set[tuple[int, ...]] = set()
+    for b in nonempty:
+        spans = [range(bisect.bisect_left(dim_cuts, o), bisect.bisect_left(dim_cuts, o + s))
+                 for dim_cuts, o, s in zip(cuts, b.offsets, b.sizes)]
+        for cell in itertools.product(*spans):
+            if cell in marked:
+                return f"overlapping boxes (one at offsets {list(b.offsets)})"
+            marked.add(cell)
+    return None
 
 
 def c_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -205,6 +205,23 @@ def test_broken_structure_never_validates_nor_drops_a_tensor(ckpt):
     assert not validate_distributed(ckpt).ok
 
 
+def _split_model_key(o):
+    """The "model" dict node written as two entries under one key, each holding part of its leaves."""
+    top = o["structure"]["dict"]
+    i = next(i for i, (key, _) in enumerate(top) if key == "model")
+    children = top[i][1]["dict"]
+    top[i:i + 1] = [["model", {"dict": children[:1]}], ["model", {"dict": children[1:]}]]
+
+
+def test_a_structure_with_a_key_twice_is_refused_not_rebuilt_without_a_leaf(ckpt):
+    # Leaf names stay unique (model.w, model.b), but rebuilt as one dict the second
+    # "model" replaced the first: a load returned the state without model.w.
+    _edit(ckpt / "metadata.json", _split_model_key)
+    results = _all_fail_typed(ckpt)
+    assert results["read_metadata"][0] == "MetadataError", results["read_metadata"]
+    assert "the key 'model' twice" in results["validate"][2][0]
+
+
 # --- hangs and memory bombs ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["metadata.json", "rank_1.json", "rank_0.safetensors", "rank_1.safetensors"])

@@ -271,3 +271,37 @@ def test_property_out_equals_the_returned_slices(tmp_path_factory, monkeypatch, 
             *reversed(range(len(shape)))) if transposed else torch.zeros(expected.shape, dtype=torch.bfloat16)
         load_distributed(directory, rank, m, out={"w": target})
         assert bits_equal(target.contiguous(), expected)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_tied_leaves_of_out_are_read_once_from_the_first_name(tmp_path, monkeypatch, world_size):
+    # Saved untied (two different tensors); out ties them, as a tied model's state_dict() does.
+    embed, head = _bytes((8, 6), torch.float32, seed=3), _bytes((8, 6), torch.float32, seed=4)
+    save_full({"embed": embed, "head": head}, tmp_path, world_size, {})
+    monkeypatch.setattr(knobs, "IO_CHUNK_BYTES", 16)  # many small reads: a race between the two would show
+    w = torch.zeros(8, 6)
+    out = {"embed": w, "head": w}
+    load_distributed(tmp_path, 0, 1, out=out)
+    assert out["head"] is w and bits_equal(w, embed)
+
+
+def test_leaves_of_out_that_overlap_are_filled_one_after_the_other(tmp_path):
+    whole, part = _bytes((8, 6), torch.float32, seed=5), _bytes((2, 6), torch.float32, seed=6)
+    save_full({"whole": whole, "part": part}, tmp_path, 2, {"whole": 0})
+    buf = torch.zeros(8, 6)
+    load_distributed(tmp_path, 0, 1, out={"whole": buf, "part": buf[1:3]})  # in out's order: part last
+    expected = whole.clone()
+    expected[1:3] = part
+    assert bits_equal(buf, expected)
+
+
+def test_run_loads_refuses_outputs_over_one_memory(tmp_path):
+    save_full({"a": W, "b": W + 1}, tmp_path, 1, {})
+    storage, directory = storage_for(tmp_path)
+    m = read_manifest(storage, directory)
+    w = torch.zeros(8, 6)
+    with OpenFiles(storage, directory, file_records(storage, directory, m), verify=False) as files:
+        plans = plan_load(m.tensors, {n: wanted_box(m.tensors[n], 1, 0, 1) for n in ("a", "b")}, lambda n: 1 << 20)
+        with pytest.raises(TensorMismatchError, match="same memory"):
+            run_loads(files, plans, lambda n: torch.float32, {"a": w, "b": w})
+    assert not w.any()

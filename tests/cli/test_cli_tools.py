@@ -206,6 +206,28 @@ def test_dcp_incomplete_and_corrupt(tmp_path):
     assert "never finished" in assert_one_line_error(*in_process("convert", tmp_path / "dcp", tmp_path / "o", "--to", "hf"))
 
 
+@pytest.mark.parametrize("chunks", [
+    [((0,), (2,)), ((1,), (2,))],          # overlap, and element 3 in no chunk: a read left it unset
+    [((0,), (2,)), ((2,), (1,))],          # a gap
+    [((0,), (2,)), ((2,), (3,))],          # past the end
+    [((0, 0), (2, 1)), ((2,), (2,))],      # the wrong number of dimensions
+])
+def test_dcp_chunks_that_do_not_cover_the_tensor_exactly_are_refused(tmp_path, chunks):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    path = tmp_path / "dcp" / ".metadata"
+    meta = pickle.loads(path.read_bytes())
+    (info,) = meta.storage_data.values()
+    entry = meta.state_dict_metadata["w"]
+    entry.chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks]
+    meta.storage_data = {MetadataIndex("w", torch.Size(o)): info for o, _ in chunks}
+    path.write_bytes(pickle.dumps(meta))
+    with pytest.raises(MetadataError, match="cover its shape"):
+        DcpCheckpoint(str(tmp_path / "dcp"))
+
+
 def test_dcp_truncated_data_file_is_refused(tmp_path):
     _dcp_save_one(tmp_path / "dcp")
     (distcp,) = [p for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp"]

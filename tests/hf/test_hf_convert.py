@@ -149,3 +149,20 @@ def test_distributed_to_hf_memory_is_bounded_by_the_largest_tensor(tmp_path):
     assert validate_checkpoint(str(tmp_path / "hf"))
     # the measurement does see a load of everything
     assert _peak_growth(tmp_path, "load_all") > n * tensor_bytes // 2
+
+
+def test_hf_to_distributed_takes_each_tensor_from_the_file_the_index_names(tmp_path):
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    w, stale, v = torch.full((2, 2), 1.0), torch.full((2, 2), -9.0), torch.full((3,), 2.0)
+    save_file({"w": w}, str(hf / "model-00001-of-00002.safetensors"))
+    save_file({"v": v, "w": stale}, str(hf / "model-00002-of-00002.safetensors"))  # a stale copy of w
+    (hf / "model.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": {"w": "model-00001-of-00002.safetensors", '
+        '"v": "model-00002-of-00002.safetensors"}}')
+    hf_to_distributed(str(hf), str(tmp_path / "dist"))
+    converted = load_distributed(str(tmp_path / "dist"), 0, 1)
+    assert torch.equal(converted["w"], w) and torch.equal(converted["v"], v)
+    assert torch.equal(load_checkpoint(str(hf), None)["w"], converted["w"])  # both readers agree

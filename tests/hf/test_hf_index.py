@@ -69,7 +69,10 @@ def test_bad_file_names_are_refused(tmp_path, bad):
 def test_bad_index_shapes_are_refused(tmp_path):
     p = tmp_path / "model.safetensors.index.json"
     for text, words in [("{not json", "not valid JSON"), ("[1]", "weight_map"),
-                        ('{"weight_map": {}, "metadata": {"param_sharing": [["a"]]}}', "param_sharing")]:
+                        ('{"weight_map": {}, "metadata": {"param_sharing": [["a"]]}}', "param_sharing"),
+                        # a name in two groups: dict mode and module mode gave it different tensors
+                        ('{"weight_map": {"a": "model.safetensors", "b": "model.safetensors"}, '
+                         '"metadata": {"param_sharing": [["a", "b"], ["b", "a"]]}}', "names 'b' twice")]:
         p.write_text(text)
         with pytest.raises(MetadataError, match=words):
             load_shard_index(str(tmp_path), p.name)

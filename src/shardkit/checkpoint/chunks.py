@@ -18,26 +18,19 @@ Example::
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from shardkit import knobs
 from shardkit.errors import MetadataError
-from shardkit.layout import Box
+from shardkit.layout import Box, cover_problem
 from shardkit.storage.json_io import short_repr
 
 __all__ = ["Chunk", "chunks_to_json", "parse_chunks", "check_cover", "MAX_CHUNKS_PER_TENSOR"]
 
 #: A hostile metadata.json cannot make the cover check quadratic in something huge.
 MAX_CHUNKS_PER_TENSOR = 1 << 16
-
-#: The cover check marks grid cells; a grid may have at most this many cells per
-#: chunk (plus a constant) before the layout is refused as not one shardkit writes.
-MAX_GRID_CELLS_PER_CHUNK = 16
-
 
 @dataclass(frozen=True)
 class Chunk:
@@ -97,44 +90,19 @@ def parse_chunks(source: str, name: str, raw: Any, full_shape: tuple[int, ...], 
 def check_cover(name: str, full_shape: tuple[int, ...], chunks: Sequence[Chunk], *, source: str) -> None:
     """Raise :class:`MetadataError` unless ``chunks`` cover ``full_shape`` exactly (no gap, no overlap).
 
-    Linear in the chunks: their offsets cut each dimension, the cuts form a
-    grid, and each chunk marks the grid cells it spans; a cell marked twice is
-    an overlap, and with no overlap equal volumes mean no gap. Every layout
-    shardkit writes is such a grid with one cell per chunk; a layout whose grid
-    has far more cells than chunks (only a hand-made file has one) is refused
-    rather than checked at a cost the file merely claims.
+    Linear in the chunks (``layout.cover_problem``). Every layout shardkit
+    writes is a grid with one cell per chunk; a layout whose grid has far
+    more cells than chunks (only a hand-made file has one) is refused rather
+    than checked at a cost the file merely claims. A file holds at most one
+    chunk of a tensor.
     """
     seen_files = set()
     for c in chunks:
-        if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, full_shape)):
-            raise MetadataError(f"{source}: tensor {name!r} has a chunk at offsets {list(c.offsets)} sizes "
-                                f"{list(c.sizes)} that leaves its shape {list(full_shape)}")
         if c.file in seen_files:
             raise MetadataError(f"{source}: tensor {name!r} has two chunks in {c.file}; a file holds at most one "
                                 f"chunk of a tensor (under the tensor's name)")
         seen_files.add(c.file)
-    nonempty = [c for c in chunks if math.prod(c.sizes)]
-    covered = sum(math.prod(c.sizes) for c in nonempty)
-    if covered != math.prod(full_shape):
-        raise MetadataError(f"{source}: the chunks of tensor {name!r} hold {covered} elements, its shape "
-                            f"{list(full_shape)} has {math.prod(full_shape)}; the chunks must cover it exactly")
-    _check_no_overlap(name, full_shape, nonempty, source)
-
-
-def _check_no_overlap(name: str, full_shape: tuple[int, ...], nonempty: Sequence[Chunk], source: str) -> None:
-    cuts = [sorted({0, n, *(c.offsets[d] for c in nonempty), *(c.offsets[d] + c.sizes[d] for c in nonempty)})
-            for d, n in enumerate(full_shape)]
-    cells = math.prod(len(dim_cuts) - 1 for dim_cuts in cuts)
-    if cells > MAX_GRID_CELLS_PER_CHUNK * len(nonempty) + 1024:
-        raise MetadataError(f"{source}: the {len(nonempty)} chunks of tensor {name!r} do not form a grid (their "
-                            f"cuts make {cells} cells); shardkit writes one chunk per cell of a grid, so this "
-                            f"file is corrupt or was not written by shardkit")
-    marked: set[tuple[int, ...]] = set()
-    for c in nonempty:
-        spans = [range(bisect.bisect_left(dim_cuts, o), bisect.bisect_left(dim_cuts, o + s))
-                 for dim_cuts, o, s in zip(cuts, c.offsets, c.sizes)]
-        for cell in itertools.product(*spans):
-            if cell in marked:
-                raise MetadataError(f"{source}: tensor {name!r} has overlapping chunks (one at offsets "
-                                    f"{list(c.offsets)}); each element is stored exactly once")
-            marked.add(cell)
+    problem = cover_problem(full_shape, [Box(c.offsets, c.sizes) for c in chunks])
+    if problem is not None:
+        raise MetadataError(f"{source}: the chunks of tensor {name!r} do not cover its shape {list(full_shape)} "
+                            f"exactly, each element once: {problem}")

@@ -39,6 +39,7 @@ from shardkit.storage import (
     read_ranges,
     run_parallel,
 )
+from shardkit.storage.destinations import check_disjoint
 from shardkit.storage.prefault import populate_for_write
 
 __all__ = ["OpenFiles", "run_loads", "check_chunks", "check_plans", "saved_dtype", "scratch_elems_of"]
@@ -121,7 +122,9 @@ def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str
     """Fill every planned output tensor; returns them by name.
 
     ``outputs`` (by name) are read into as they are, with no temporary: each
-    must be a contiguous CPU tensor of the planned shape and dtype. Every
+    must be a contiguous CPU tensor of the planned shape and dtype, none
+    sharing memory with another (``TensorMismatchError``: the reads run in
+    parallel). Every
     other output is allocated here. It does not check those tensors' values
     or convert anything; a wrong one raises :class:`TensorMismatchError`.
 
@@ -129,6 +132,7 @@ def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str
     """
     check_plans(files, plans, dtype_of)  # headers first: nothing is allocated for a shape no file holds
     given = outputs or {}
+    check_disjoint({p.name: given[p.name] for p in plans if p.name in given}, "outputs")
     mapped = {p.name: t for p in plans if p.name not in given
               for t in [_mapped_output(files, p, dtype_of(p.name))] if t is not None}
     plans = [p for p in plans if p.name not in mapped]

@@ -12,7 +12,10 @@ replaced in their container (a tuple is rebuilt, since it cannot change).
 
 Every name, shape, dtype and file header is checked before any tensor byte
 is read, so a bad ``out`` raises :class:`TensorMismatchError` and leaves it
-untouched. It never casts, never moves a tensor to another device, and never
+untouched. Leaves over the same memory (tied parameters, both in a
+``state_dict()``) are read once, from the first of them in ``out``'s order;
+leaves whose memory overlaps otherwise are filled one after the other, never
+by two reads at once. It never casts, never moves a tensor to another device, and never
 adds leaves to ``out`` (a fresh optimizer's empty ``state`` has nothing to
 fill: load that part without ``out``, or step once first). A checkpoint found corrupt *while* reading
 (:class:`ChecksumError` with ``verify=True``) can leave ``out`` partly filled.
@@ -39,6 +42,7 @@ from shardkit.checkpoint.plan import TensorLoad, plan_load, wanted_box
 from shardkit.checkpoint.read_path import OpenCheckpoint
 from shardkit.errors import TensorMismatchError
 from shardkit.layout import Box
+from shardkit.storage.destinations import shared_destinations
 
 __all__ = ["load_into"]
 
@@ -72,13 +76,14 @@ def load_into(out: Mapping, ck: OpenCheckpoint, rank: int, world_size: int, *,
     check_chunks(files, m.tensors, want, dtypes)  # claimed shapes vs the files, before planning
     plans = plan_load(m.tensors, want, scratch_elems_of(dtypes))
     check_plans(files, plans, dtypes.__getitem__)
-    _fill(files, plans, targets, dtypes)
+    tied, overlapping = shared_destinations(targets)
+    _fill(files, [p for p in plans if p.name not in tied], targets, dtypes, apart=overlapping)
     _replace_plain(out, "", {n: m.objects[n] for n in names if n in m.objects})
     return out
 
 
 def _leaves(state: Mapping) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """The tensor leaves of ``state`` by dotted name, and the names of its other leaves (any type)."""
+    """The tensor leaves of ``state`` by dotted name (in the state's order), and the names of its other leaves."""
     tensors: dict[str, torch.Tensor] = {}
     others: set[str] = set()
     stack: list[tuple[str, Any]] = [("", state)]
@@ -89,10 +94,10 @@ def _leaves(state: Mapping) -> tuple[dict[str, torch.Tensor], set[str]]:
                 raise TensorMismatchError(f"two tensors of out have the same name {path!r} (a key containing '.' "
                                           f"collides with a nested path); rename one of them")
             tensors[path] = node
-        elif isinstance(node, Mapping):
-            stack.extend((join_name(path, k), child) for k, child in node.items())
+        elif isinstance(node, Mapping):  # pushed in reverse: popped, and so named, in the state's order
+            stack.extend(reversed([(join_name(path, k), child) for k, child in node.items()]))
         elif isinstance(node, (list, tuple)):
-            stack.extend((join_name(path, i), child) for i, child in enumerate(node))
+            stack.extend(reversed([(join_name(path, i), child) for i, child in enumerate(node)]))
         else:
             others.add(path)
     return tensors, others
@@ -151,13 +156,16 @@ def _sample(names) -> str:
 
 
 def _fill(files: OpenFiles, plans: list[TensorLoad], targets: dict[str, torch.Tensor],
-          dtypes: dict[str, torch.dtype]) -> None:
-    direct = {n: t for n, t in targets.items() if t.device.type == "cpu" and t.is_contiguous()}
+          dtypes: dict[str, torch.dtype], *, apart: set[str]) -> None:
+    """Run ``plans`` into ``targets``: contiguous CPU ones read into directly, in parallel; the rest
+    (and those in ``apart``, whose memory overlaps another target's) staged, then copied in one by one."""
+    direct = {n: t for n, t in targets.items() if t.device.type == "cpu" and t.is_contiguous() and n not in apart}
     run_loads(files, [p for p in plans if p.name in direct], dtypes.__getitem__, direct)
     torch.autograd.graph.increment_version(list(direct.values()))  # written behind autograd's back
     for group in _stage_groups([p for p in plans if p.name not in direct], dtypes):
-        for name, staged in run_loads(files, group, dtypes.__getitem__).items():
-            targets[name].copy_(staged)
+        staged = run_loads(files, group, dtypes.__getitem__)
+        for plan in group:  # in out's order: where targets overlap, the later one is written last
+            targets[plan.name].copy_(staged[plan.name])
 
 
 def _stage_groups(plans: list[TensorLoad], dtypes: dict[str, torch.dtype]) -> Iterator[list[TensorLoad]]:

@@ -134,8 +134,8 @@ def check_structure(structure: Any, tensor_names, object_names, *, source: str) 
 
     Checks, without recursion (the JSON depth is bounded by the parser):
     every node is ``"T"``, ``"O"`` or ``{"dict": [[key, node], ...]}`` /
-    ``{"list": [...]}`` / ``{"tuple": [...]}``, keys are str or int, no two
-    leaves share a dotted name, and the ``"T"`` leaves are exactly
+    ``{"list": [...]}`` / ``{"tuple": [...]}``, keys are str or int and
+    unique within their dict, no two leaves share a dotted name, and the ``"T"`` leaves are exactly
     ``tensor_names`` and the ``"O"`` leaves exactly ``object_names``, so
     :func:`unflatten` can neither fail nor drop a leaf.
 
@@ -172,11 +172,16 @@ def _children(node: Any, path: str, source: str) -> list[tuple[str, Any]]:
     if kind != "dict":
         return [(join_name(path, i), child) for i, child in enumerate(items)]
     children = []
+    keys: set = set()
     for item in items:
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
                 and not isinstance(item[0], bool)):
             raise MetadataError(f"{source}: structure entry under {path or '(top)'!r} is {short_repr(item)}; "
                                 f"expected [key, node] with a str or int key. {_STRUCTURE_FIX}")
+        if item[0] in keys:  # rebuilt as one dict, the second would replace the first and drop its leaves
+            raise MetadataError(f"{source}: structure has the key {short_repr(item[0])} twice under "
+                                f"{path or '(top)'!r}. {_STRUCTURE_FIX}")
+        keys.add(item[0])
         children.append((join_name(path, item[0]), item[1]))
     return children
 

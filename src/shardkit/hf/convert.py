@@ -136,7 +136,9 @@ def hf_to_distributed(
     state: Dict[str, torch.Tensor] = {}
     for file_name in files:
         path = store.join(root, file_name)
-        state.update(_mapped_safetensors(store, path) if meta.safetensors else read_bin_shard(store, path))
+        found = _mapped_safetensors(store, path) if meta.safetensors else read_bin_shard(store, path)
+        # Only what the index places in this file: another file's name here is a stale copy.
+        state.update(found if weight_map is None else {n: t for n, t in found.items() if weight_map.get(n) == file_name})
     if weight_map is not None:
         absent = [n for n in weight_map if n not in state]
         if absent:

@@ -296,7 +296,14 @@ def _check_sharing(groups: object, source: str) -> None:
             f"{source}: metadata.param_sharing must be a list of groups of two or more names, "
             f"found {str(groups)[:200]}"
         )
-    check_limits(source, "param_sharing names", [n for g in groups for n in g], max_count=knobs.MAX_INDEX_TENSORS)
+    names = [n for g in groups for n in g]
+    check_limits(source, "param_sharing names", names, max_count=knobs.MAX_INDEX_TENSORS)
+    seen: set[str] = set()
+    for name in names:  # a name in two groups has two sources: the loads would disagree on it
+        if name in seen:
+            raise MetadataError(f"{source}: metadata.param_sharing names {name!r} twice; each name belongs to "
+                                f"at most one group of tied names. The index is corrupt: re-save the checkpoint")
+        seen.add(name)
 
 
 def files_to_names(weight_map: Dict[str, str], names) -> dict[str, list[str]]:

@@ -39,6 +39,7 @@ from shardkit.hf.shard_io import map_shard, read_shard, shard_header
 from shardkit.hf.sharing import create_sharing_metadata, retie_parameters
 from shardkit.hf.untrusted import hostile_input, non_regular_problems
 from shardkit.storage import storage_for
+from shardkit.storage.destinations import shared_destinations
 
 __all__ = ["load_checkpoint", "load_sharded_checkpoint"]
 
@@ -186,7 +187,11 @@ def load_sharded_checkpoint(
     from the one index of the whole model. Names the module ties together
     (``lm_head.weight`` to the embedding) count as provided when one of them
     is, and are tied to what was loaded afterwards, ``assign=True`` included.
-    Dict mode returns
+    A tie is read once, from its first name in the module's order (the
+    embedding), even where the files hold differing copies of both names,
+    as ``transformers``' ``tie_weights`` leaves it. Tensors whose memory
+    overlaps otherwise are copied in one after the other, as
+    ``load_state_dict`` does. Dict mode returns
     ``{name: tensor}`` on ``device``, tied names sharing one tensor.
     ``mmap``: see :func:`load_checkpoint`.
     """
@@ -295,7 +300,7 @@ def _load_module(model_dir, shard_index, aliases, module, device, safetensors, s
             f"shard of the model.)"
         )
     own_to_stored = _own_to_stored(own, weight_map, aliases)
-    targets = {} if assign else {stored: own[name] for name, stored in own_to_stored.items()}
+    targets = {} if assign else _in_place_targets(own, own_to_stored)
     with torch.no_grad():
         loaded = _read_files(model_dir, weight_map, list(own_to_stored.values()), safetensors, debug, targets, mmap)
         _install(module, own, {name: loaded[stored] for name, stored in own_to_stored.items()}, device, assign)
@@ -321,14 +326,30 @@ def _own_to_stored(own, weight_map, aliases) -> Dict[str, str]:
     A name stored under a tie (``param_sharing``) whose stored name the module
     lacks -- a pipeline stage holding ``lm_head.weight`` while another holds
     the embedding -- reads the stored tensor; when the module has the stored
-    name too, retying covers it. Each stored tensor is read once.
+    name too, retying covers it. Each stored tensor is read once, and so is
+    each tensor of the module: of names the module ties together (the same
+    view of one memory), only the first in the module's order is read, and
+    the tie gives the others its values, as ``transformers``' ``tie_weights``
+    does, even where the files hold differing copies.
     """
     out: Dict[str, str] = {}
     for name in own:
         stored = name if name in weight_map else aliases.get(name)
         if stored is not None and (stored == name or stored not in own) and stored not in out.values():
             out[name] = stored
-    return out
+    tied, _ = shared_destinations({name: own[name] for name in out})
+    return {name: stored for name, stored in out.items() if name not in tied}
+
+
+def _in_place_targets(own, own_to_stored: Dict[str, str]) -> Dict[str, Tensor]:
+    """``{stored name: module tensor}`` to read straight into, in parallel.
+
+    Tied names were read once already (:func:`_own_to_stored`); tensors whose
+    memory overlaps another's otherwise are read apart and copied in one after
+    the other by ``load_state_dict``, as parallel reads into one byte would race.
+    """
+    _, overlapping = shared_destinations({name: own[name] for name in own_to_stored})
+    return {stored: own[name] for name, stored in own_to_stored.items() if name not in overlapping}
 
 
 def _covered_by(own_ties, provided: Set[str]) -> Set[str]:
@@ -349,7 +370,7 @@ def _loaded_first(own_ties, loaded: Set[str]):
 
 def _install(module: Module, own: Dict[str, Tensor], loaded: Dict[str, Tensor], device, assign: bool) -> None:
     """Put tensors that were not read in place into the module."""
-    rest = {n: t for n, t in loaded.items() if assign or t.data_ptr() != own[n].data_ptr()}
+    rest = {n: t for n, t in loaded.items() if assign or not _read_into(t, own[n])}
     if not rest:
         return
     for name, t in rest.items():
@@ -361,3 +382,8 @@ def _install(module: Module, own: Dict[str, Tensor], loaded: Dict[str, Tensor], 
     if assign:
         rest = {n: t.to(device) for n, t in rest.items()}
     module.load_state_dict(rest, strict=False, assign=assign)
+
+
+def _read_into(loaded: Tensor, target: Tensor) -> bool:
+    """True when ``loaded`` is ``target``'s own memory, read in place (address alone: empty tensors all have 0)."""
+    return loaded.data_ptr() == target.data_ptr() and tuple(loaded.shape) == tuple(target.shape)

@@ -21,6 +21,7 @@ from shardkit.dtypes import from_safetensors_name, itemsize_bytes, to_safetensor
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.hf.untrusted import hostile_input, require_regular_file
 from shardkit.storage import BufferReader, Storage, byte_view, read_header, read_ranges, run_parallel
+from shardkit.storage.destinations import check_disjoint
 from shardkit.storage.read_ahead import prefetch_mapped
 
 __all__ = ["map_shard", "read_shard", "read_shard_into", "shard_header"]
@@ -51,7 +52,8 @@ def _checked_header(reader, path: str):
 def read_shard_into(storage: Storage, path: str, targets: dict[str, torch.Tensor]) -> None:
     """Fill each CPU, contiguous tensor in ``targets`` with the tensor of that name in ``path``.
 
-    Shapes and dtypes must match exactly (``TensorMismatchError`` otherwise);
+    Shapes and dtypes must match exactly, and no two targets may share memory
+    (``TensorMismatchError`` otherwise: the reads run in parallel);
     a name missing from the file raises ``MetadataError``. Reads only the
     bytes of the named tensors.
     """
@@ -72,6 +74,7 @@ def read_shard(storage: Storage, path: str, names: list[str], buffer_for) -> dic
             out = buffers[name] = buffer_for(name, entry)
             _check_entry(path, name, entry, out)
             reads.append((entry.begin, byte_view(out)))
+        check_disjoint(buffers, f"{path}: buffers for")
         _read_parallel(reader, reads)
     return buffers
 

@@ -18,16 +18,9 @@ from typing import List
 from torch import Tensor
 from torch.nn import Module
 
+from shardkit.storage.destinations import memory_identity
+
 __all__ = ["create_sharing_metadata", "retie_parameters", "find_shared_groups", "alias_to_source", "tensor_names"]
-
-
-def _identity(tensor: Tensor) -> tuple:
-    # Meta tensors all report data_ptr 0; only the same object counts as shared there.
-    if tensor.device.type == "meta" or tensor.numel() == 0:
-        return ("object", id(tensor))
-    storage = tensor.untyped_storage()
-    return (tensor.device, storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-            tuple(tensor.stride()), tensor.dtype)
 
 
 def find_shared_groups(named_tensors: list[tuple[str, Tensor]]) -> List[List[str]]:
@@ -38,7 +31,7 @@ def find_shared_groups(named_tensors: list[tuple[str, Tensor]]) -> List[List[str
     """
     by_identity: dict[tuple, list[str]] = {}
     for name, tensor in named_tensors:
-        by_identity.setdefault(_identity(tensor), []).append(name)
+        by_identity.setdefault(memory_identity(tensor), []).append(name)
     return [names for names in by_identity.values() if len(names) > 1]
 
 

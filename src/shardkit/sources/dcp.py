@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
-from shardkit.layout import Box, intersect, whole_box
+from shardkit.layout import Box, cover_problem, intersect, whole_box
 from shardkit.sources.dcp_metadata import read_dcp_metadata
 from shardkit.sources.dcp_record import tensor_data_span
 from shardkit.storage import Reader, check_relative_name, storage_for
@@ -119,11 +119,19 @@ class DcpCheckpoint:
         for fqn, entry in self.metadata.state_dict_metadata.items():
             if isinstance(entry, TensorStorageMetadata):
                 chunks = tuple(self._chunk(fqn, Box(tuple(c.offsets), tuple(c.sizes)), where) for c in entry.chunks)
+                self._check_cover(fqn, tuple(entry.size), chunks)
                 self.tensors[fqn] = DcpTensor(entry.properties.dtype, tuple(entry.size), chunks)
             elif isinstance(entry, BytesStorageMetadata):
                 self.values[fqn] = self._chunk(fqn, None, where)
             else:
                 raise MetadataError(f"{self.directory}/.metadata: entry {fqn!r} is a {type(entry).__name__}")
+
+    def _check_cover(self, fqn: str, shape: tuple[int, ...], chunks: tuple[DcpChunk, ...]) -> None:
+        """Refuse chunks that leave a gap, overlap, or leave the shape: a read would return unset bytes."""
+        problem = cover_problem(shape, [c.box for c in chunks])
+        if problem is not None:
+            raise MetadataError(f"{self.directory}/.metadata: the chunks of {fqn!r} do not cover its shape "
+                                f"{list(shape)} exactly, each element once: {problem}; the metadata is corrupt")
 
     def _chunk(self, fqn: str, box: Box | None, where: dict) -> DcpChunk:
         info = where.get((fqn, box.offsets if box is not None else None))
