@@ -9,6 +9,7 @@ compared with every other row; ``kind`` marks the comparison rows as
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -39,12 +40,26 @@ VERIFY_MIN_REPS = 21
 FIRST_CALL_MIN_REPS = 5
 
 
+def _collect_garbage() -> None:
+    """A full garbage collection, untimed before each run, as ``timeit`` keeps collections out of its timings.
+
+    The bench process holds many objects (transformers, the models built so
+    far): a full collection of it took 0.18 s, against 0.10-0.25 s for a
+    whole Llama load, and which run it landed in was chance. With 3 reps it
+    made the HF module load row read 0.79x in one run, against 1.5-2.8x in
+    nine others. Each run still pays for the collections its own
+    allocations trigger.
+    """
+    gc.collect()
+
+
 def time_reps(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> dict:
-    """Median/min/max seconds of ``fn()`` over ``reps`` runs (``setup()`` untimed before each)."""
+    """Median/min/max seconds of ``fn()`` over ``reps`` runs (``setup()`` and a garbage collection untimed before each)."""
     times = []
     for _ in range(max(1, reps)):
         if setup is not None:
             setup()
+        _collect_garbage()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -61,7 +76,8 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int,
     implementation always runs first or right after the same neighbour.
     ``setup(name)`` runs untimed before each run, after shardkit's background
     read-ahead of the previous run (``storage.read_ahead``) has drained, so
-    it never runs inside another implementation's timing.
+    it never runs inside another implementation's timing; then a full
+    garbage collection, so no run pays for another's garbage.
     """
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(max(1, reps)):
@@ -69,6 +85,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int,
             wait_for_prefetch()
             if setup is not None:
                 setup(name)
+            _collect_garbage()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
