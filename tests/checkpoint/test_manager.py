@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from shardkit.checkpoint import CheckpointManager, validate_distributed
-from shardkit.errors import CheckpointError, MetadataError
+from shardkit.errors import CheckpointError, CheckpointExistsError, MetadataError
 
 
 def _state(v: float, step: int = 0):
@@ -64,6 +65,33 @@ def test_saving_a_step_again_replaces_a_crashed_one(tmp_path):
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(4, _state(4, 4))
     assert sorted(os.listdir(tmp_path / "step-4")) == ["metadata.json", "rank_0.safetensors"]
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_saving_a_complete_step_again_is_refused_and_keeps_it(tmp_path, async_save):
+    # Before, the step was cleared first: a crash in the new save lost the newest checkpoint.
+    with CheckpointManager(tmp_path, keep_last=1, async_save=async_save) as mgr:
+        mgr.save(5, _state(5, 5))
+        mgr.wait()
+        with pytest.raises(CheckpointExistsError, match="step 5 is already saved"):
+            mgr.save(5, _state(6, 6))
+        assert mgr.steps() == [5]
+        target = _state(0)
+        assert mgr.restore(target) == 5 and target["w"].eq(5).all()
+        mgr.save(6, _state(6, 6))                     # the next step saves as usual
+    assert validate_distributed(tmp_path / "step-6").ok
+
+
+def test_only_canonical_step_names_count(tmp_path):
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(12, _state(12, 12))
+    for other in ("step-012", "step-\u0661\u0662", "step-12\n"):  # a leading zero, Arabic-Indic digits, a newline
+        shutil.copytree(tmp_path / "step-12", tmp_path / other)      # complete copies: each parsed as step 12 before
+    mgr = CheckpointManager(tmp_path)
+    assert mgr.steps() == [12]                                        # before: [12, 12, 12, 12]
+    with pytest.raises(MetadataError, match="10\\*\\*18"):
+        mgr.save(10**18, _state(1))
+    mgr.close()
 
 
 def test_second_save_waits_for_the_first(tmp_path, monkeypatch):

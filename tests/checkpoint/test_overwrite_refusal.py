@@ -124,6 +124,25 @@ def test_leftovers_of_an_unfinished_save_are_refused_too(tmp_path):
         _save_ranks(tmp_path, NEW, [1])
 
 
+@pytest.mark.parametrize("launcher", [{"TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": ("0", "1")},
+                                      {"SLURM_JOB_ID": ("41", "42")}], ids=["torchrun-restart", "slurm-requeue"])
+def test_a_restarted_job_never_completes_a_step_with_its_killed_attempts_files(tmp_path, monkeypatch, launcher):
+    """The same step, the same plain values: only the launcher's attempt tells the two saves apart."""
+    def attempt(i):
+        for name, value in launcher.items():
+            monkeypatch.setenv(name, value if isinstance(value, str) else value[i])
+
+    attempt(0)
+    _save_ranks(tmp_path, OLD, [1])                 # the killed attempt got as far as rank 1's files
+    attempt(1)
+    _save_ranks(tmp_path, NEW, [0, 2])              # the restart saves the step again; rank 1 refuses
+    with pytest.raises(CheckpointExistsError, match="rank_1"):
+        _save_ranks(tmp_path, NEW, [1])
+    assert not validate_distributed(tmp_path).ok    # before: "ok", and loads mixed OLD's rows 2-3 in
+    with pytest.raises(CheckpointError):
+        load_consolidated(tmp_path)
+
+
 def test_one_rank_alone_may_overwrite_without_asking(tmp_path):
     """world_size == 1: no other rank to disagree with; a cut-short re-save reads as incomplete, never mixed."""
     save_full({"w": torch.zeros(4)}, tmp_path, 1, {"w": 0})

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import dataclass
 
 import xxhash
@@ -150,10 +151,10 @@ def _user_metadata(metadata) -> dict:
     if not isinstance(metadata, dict):
         raise TypeError(f"metadata must be a JSON-serialisable dict, got {type(metadata).__name__}")
     try:
-        json.dumps(metadata, allow_nan=False)
+        text = json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise TypeError(f"metadata must be JSON-serialisable (nothing is pickled): {e}") from e
-    return metadata
+    return json.loads(text)  # a snapshot: a background save writes what the caller passed, not later edits
 
 
 def _digest(m: Manifest) -> str:
@@ -162,11 +163,18 @@ def _digest(m: Manifest) -> str:
     return xxhash.xxh3_64_hexdigest(json.dumps(layout, sort_keys=True).encode())
 
 
+#: Set by launchers, equal on every rank of one attempt of a job, different for its restart or requeue.
+_ATTEMPT_ENV = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_RESTART_COUNT")
+
+
 def _save_id(m: Manifest) -> str:
     # Without a group, ranks cannot agree on a fresh id; the layout plus the plain
     # values and user metadata (equal on every rank) tell one save from another
-    # whenever the state carries something that changes, such as the step.
-    text = json.dumps([_digest(m), m.objects, m.structure, m.user_metadata], sort_keys=True, default=str)
+    # whenever the state carries something that changes, such as the step. The
+    # launcher's attempt tells a restarted job's save of a step from the files its
+    # killed attempt left of the same step: those never complete the new one.
+    attempt = {name: os.environ.get(name) for name in _ATTEMPT_ENV}
+    text = json.dumps([_digest(m), m.objects, m.structure, m.user_metadata, attempt], sort_keys=True, default=str)
     return xxhash.xxh3_64_hexdigest(text.encode())
 
 

@@ -30,11 +30,15 @@
 Example::
 
     with CheckpointManager("/ckpt/run1", keep_last=2, best=("loss", "min")) as mgr:
-        start = mgr.restore(state) or 0          # state from get_state_dict; None on a fresh run
-        for step in range(start, steps):
+        last = mgr.restore(state)                # state from get_state_dict; None on a fresh run
+        for step in range(0 if last is None else last + 1, steps):
             ...
             if step % 100 == 0:
                 mgr.save(step, state, metrics={"loss": loss})
+
+A step already saved complete is never saved again (``CheckpointExistsError``):
+its directory would be cleared before the new copy is written, and a crash
+then would leave no checkpoint of it.
 """
 
 from __future__ import annotations
@@ -50,12 +54,13 @@ from shardkit.checkpoint.api import (
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.group import broadcast_json
 from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
-from shardkit.errors import CheckpointError, MetadataError
+from shardkit.errors import CheckpointError, CheckpointExistsError, MetadataError
 from shardkit.storage import Storage, storage_for
 
 __all__ = ["CheckpointManager", "step_dir_name"]
 
-_STEP_DIR = re.compile(r"^step-(\d{1,18})$")
+# ASCII digits, no leading zero, nothing after: one name per step (``step_dir_name``).
+_STEP_DIR = re.compile(r"step-(0|[1-9][0-9]{0,17})")
 _KEY = "shardkit.manager"
 
 
@@ -111,9 +116,10 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; create a new one to save again")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise MetadataError(f"step must be an integer >= 0, got {step!r}")
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**18:
+            raise MetadataError(f"step must be an integer from 0 to 10**18 - 1, got {step!r}")
         self.wait()
+        self._refuse_complete(step)
         metadata = {_KEY: {"step": step, "metrics": dict(metrics or {})}}
         prep = prepare(state_dict, self._coordinator, self.rank, self.world_size, metadata, rank_state)
         directory = self.step_dir(step)
@@ -193,7 +199,7 @@ class CheckpointManager:
             names = self._storage.listdir(self.root)
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, names) if m)
+        return sorted(int(m.group(1)) for m in map(_STEP_DIR.fullmatch, names) if m)
 
     def _complete(self, step: int) -> bool:
         storage, directory = self._storage, self.step_dir(step)
@@ -208,6 +214,18 @@ class CheckpointManager:
         self._writing = None
         if self.rank == 0:
             self._rotate()
+
+    def _refuse_complete(self, step: int) -> None:
+        """Raise ``CheckpointExistsError`` (on every rank: rank 0 decides) when ``step`` is saved complete."""
+        complete = self._complete(step) if self.rank == 0 else None
+        if self._coordinator is not None:
+            complete = broadcast_json(self._coordinator, complete, "checking the step is not saved yet")
+        if complete:
+            raise CheckpointExistsError(
+                f"step {step} is already saved, complete, in {self.step_dir(step)}; saving it again would "
+                f"clear it before the new copy is written, and a crash then would lose it. Nothing was "
+                f"written. Save under the next step (restore() returns the step it restored: go on from "
+                f"the one after it), or remove {self.step_dir(step)} first")
 
     def _clear_leftover(self, step: int) -> None:
         # A crashed or older save of the same step; runs under this save's writer lock,

@@ -61,8 +61,8 @@ def stage(state, buffers: dict[tuple, torch.Tensor]):
             host_pairs.append((buf, src))
             if new:
                 fresh.append(buf)
-        else:
-            buf.copy_(src, non_blocking=True)
+        else:  # non-blocking into pinned memory, synchronized below; other devices copy before returning
+            buf.copy_(src, non_blocking=pin)
             devices.add(src.device)
         used[path] = buf
         return buf
