@@ -82,6 +82,22 @@ def test_saving_a_complete_step_again_is_refused_and_keeps_it(tmp_path, async_sa
     assert validate_distributed(tmp_path / "step-6").ok
 
 
+def test_saving_below_a_newer_complete_step_is_refused(tmp_path):
+    # After a roll-back to step 7, saving step 8 while step 9 is complete: rotation (by number)
+    # deleted step 8 at once with keep_last=1, and restore() resumed from the abandoned step 9.
+    with CheckpointManager(tmp_path, keep_last=3, async_save=False) as mgr:
+        for step in (7, 9):
+            mgr.save(step, _state(step, step))
+        target = _state(0)
+        assert mgr.restore(target, step=7) == 7
+        with pytest.raises(CheckpointError, match="step 9 is saved .* newer than step 8"):
+            mgr.save(8, _state(8, 8))
+        assert mgr.steps() == [7, 9] and not (tmp_path / "step-8").exists()
+        shutil.rmtree(tmp_path / "step-9")                  # what the message says to do
+        mgr.save(8, _state(8, 8))
+    assert mgr.steps() == [7, 8]
+
+
 def test_only_canonical_step_names_count(tmp_path):
     with CheckpointManager(tmp_path, async_save=False) as mgr:
         mgr.save(12, _state(12, 12))

@@ -38,7 +38,8 @@ Example::
 
 A step already saved complete is never saved again (``CheckpointExistsError``):
 its directory would be cleared before the new copy is written, and a crash
-then would leave no checkpoint of it.
+then would leave no checkpoint of it. Nor is a step older than a complete
+one (``CheckpointError``): rotation orders steps by number.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**18:
             raise MetadataError(f"step must be an integer from 0 to 10**18 - 1, got {step!r}")
         self.wait()
-        self._refuse_complete(step)
+        self._refuse_to_save(step)
         metadata = {_KEY: {"step": step, "metrics": dict(metrics or {})}}
         prep = prepare(state_dict, self._coordinator, self.rank, self.world_size, metadata, rank_state)
         directory = self.step_dir(step)
@@ -215,17 +216,37 @@ class CheckpointManager:
         if self.rank == 0:
             self._rotate()
 
-    def _refuse_complete(self, step: int) -> None:
-        """Raise ``CheckpointExistsError`` (on every rank: rank 0 decides) when ``step`` is saved complete."""
-        complete = self._complete(step) if self.rank == 0 else None
+    def _refuse_to_save(self, step: int) -> None:
+        """Raise, on every rank (rank 0 decides), where saving ``step`` could cost a complete checkpoint.
+
+        ``CheckpointExistsError``: ``step`` is saved complete (it would be
+        cleared before the new copy is written). ``CheckpointError``: a newer
+        step is complete (rotation, by step number, would delete ``step`` first,
+        and ``restore()`` would pick the newer one: the run after a roll-back).
+        """
+        problem = self._save_problem(step) if self.rank == 0 else None
         if self._coordinator is not None:
-            complete = broadcast_json(self._coordinator, complete, "checking the step is not saved yet")
-        if complete:
-            raise CheckpointExistsError(
-                f"step {step} is already saved, complete, in {self.step_dir(step)}; saving it again would "
-                f"clear it before the new copy is written, and a crash then would lose it. Nothing was "
-                f"written. Save under the next step (restore() returns the step it restored: go on from "
-                f"the one after it), or remove {self.step_dir(step)} first")
+            problem = broadcast_json(self._coordinator, problem, "checking the step can be saved")
+        if problem is not None:
+            kind, message = problem
+            raise (CheckpointExistsError if kind == "exists" else CheckpointError)(message)
+
+    def _save_problem(self, step: int) -> list[str] | None:
+        # One listing, and a manifest read only for this step and newer ones (usually none).
+        for other in sorted((s for s in self._all_steps() if s >= step), reverse=True):
+            if not self._complete(other):
+                continue
+            if other == step:
+                return ["exists", f"step {step} is already saved, complete, in {self.step_dir(step)}; saving it "
+                                  f"again would clear it before the new copy is written, and a crash then would "
+                                  f"lose it. Nothing was written. Save under the next step (restore() returns the "
+                                  f"step it restored: go on from the one after it), or remove "
+                                  f"{self.step_dir(step)} first"]
+            return ["newer", f"step {other} is saved under {self.root}, newer than step {step}: rotation keeps the "
+                             f"highest steps and would delete step {step}, and restore() would pick step {other}. "
+                             f"Nothing was written. After rolling back to an older step, remove the newer step "
+                             f"directories first (or save into a new root)"]
+        return None
 
     def _clear_leftover(self, step: int) -> None:
         # A crashed or older save of the same step; runs under this save's writer lock,
