@@ -9,6 +9,7 @@ compared with every other row; ``kind`` marks the comparison rows as
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -40,29 +41,37 @@ VERIFY_MIN_REPS = 21
 FIRST_CALL_MIN_REPS = 5
 
 
-def _collect_garbage() -> None:
-    """A full garbage collection, untimed before each run, as ``timeit`` keeps collections out of its timings.
+@contextlib.contextmanager
+def _no_garbage_collection():
+    """The cyclic garbage collector off while a run is timed, as ``timeit`` does; back on between runs.
 
     The bench process holds many objects (transformers, the models built so
     far): a full collection of it took 0.18 s, against 0.10-0.25 s for a
     whole Llama load, and which run it landed in was chance. With 3 reps it
     made the HF module load row read 0.79x in one run, against 1.5-2.8x in
-    nine others. Each run still pays for the collections its own
-    allocations trigger.
+    nine others. Collections now run between timed runs, when the untimed
+    code allocates. (A ``gc.collect()`` before each run did the same, but
+    cost 0.2-0.5 s per run in a large process such as pytest's.)
     """
-    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def time_reps(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> dict:
-    """Median/min/max seconds of ``fn()`` over ``reps`` runs (``setup()`` and a garbage collection untimed before each)."""
+    """Median/min/max seconds of ``fn()`` over ``reps`` runs (``setup()`` untimed before each; no garbage collection while timed)."""
     times = []
     for _ in range(max(1, reps)):
         if setup is not None:
             setup()
-        _collect_garbage()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        with _no_garbage_collection():
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
 
 
@@ -76,8 +85,8 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int,
     implementation always runs first or right after the same neighbour.
     ``setup(name)`` runs untimed before each run, after shardkit's background
     read-ahead of the previous run (``storage.read_ahead``) has drained, so
-    it never runs inside another implementation's timing; then a full
-    garbage collection, so no run pays for another's garbage.
+    it never runs inside another implementation's timing. The garbage
+    collector is off while a run is timed, so no run pays for another's garbage.
     """
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(max(1, reps)):
@@ -85,10 +94,10 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int,
             wait_for_prefetch()
             if setup is not None:
                 setup(name)
-            _collect_garbage()
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            with _no_garbage_collection():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
     return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)}
             for name, ts in times.items()}
 
