@@ -9,14 +9,13 @@ compared with every other row; ``kind`` marks the comparison rows as
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import os
 import statistics
 import time
 from typing import Callable
 
+from shardkit.storage.json_io import gc_paused
 from shardkit.storage.read_ahead import wait_for_prefetch
 
 
@@ -41,25 +40,11 @@ VERIFY_MIN_REPS = 21
 FIRST_CALL_MIN_REPS = 5
 
 
-@contextlib.contextmanager
-def _no_garbage_collection():
-    """The cyclic garbage collector off while a run is timed, as ``timeit`` does; back on between runs.
-
-    The bench process holds many objects (transformers, the models built so
-    far): a full collection of it took 0.18 s, against 0.10-0.25 s for a
-    whole Llama load, and which run it landed in was chance. With 3 reps it
-    made the HF module load row read 0.79x in one run, against 1.5-2.8x in
-    nine others. Collections now run between timed runs, when the untimed
-    code allocates. (A ``gc.collect()`` before each run did the same, but
-    cost 0.2-0.5 s per run in a large process such as pytest's.)
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+# The garbage collector is off while a run is timed (``gc_paused``), as ``timeit`` does. The bench
+# process holds many objects (transformers, the models built so far): a full collection of it took
+# 0.18 s, against 0.10-0.25 s for a whole Llama load, and which run it landed in was chance (with 3
+# reps it made the HF module load row read 0.79x in one run, 1.5-2.8x in nine others). Collections
+# run between timed runs instead. (A gc.collect() before each run cost 0.2-0.5 s per run in pytest.)
 
 
 def time_reps(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> dict:
@@ -68,7 +53,7 @@ def time_reps(fn: Callable[[], object], reps: int, setup: Callable[[], object] |
     for _ in range(max(1, reps)):
         if setup is not None:
             setup()
-        with _no_garbage_collection():
+        with gc_paused():
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
@@ -94,7 +79,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int,
             wait_for_prefetch()
             if setup is not None:
                 setup(name)
-            with _no_garbage_collection():
+            with gc_paused():
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
