@@ -12,7 +12,8 @@ from shardkit.bench.workload import make_state
 def test_the_shardkit_child_times_its_first_call_and_its_save_completes(tmp_path):
     # (the dcp child runs in the benchmark itself; one child here keeps the suite fast)
     assert "torch.distributed.checkpoint.async_save" in IMPLS
-    assert first_call_blocked("shardkit", 1 << 20, str(tmp_path / "shardkit"), settle_s=0, timeout_s=300) > 0
+    assert first_call_blocked("shardkit", 1 << 20, str(tmp_path / "shardkit"), settle_s=0, ballast_bytes=1 << 20,
+                              timeout_s=300) > 0
     assert validate_distributed(tmp_path / "shardkit").ok
     expect = make_state(1 << 20)
     loaded = load_distributed(tmp_path / "shardkit", 0, 1)

@@ -6,13 +6,21 @@ a VM that backs its memory lazily) or recycled from the process's own heap
 depends on what the process freed before. Timing each implementation's
 first call in its own new process, after the same preparation, gives both
 the same start. :func:`first_call_blocked` runs one such child;
-``python -m shardkit.bench.async_first IMPL SIZE_BYTES DIR SETTLE_S`` is the child.
+``python -m shardkit.bench.async_first IMPL SIZE_BYTES DIR SETTLE_S [BALLAST_BYTES]`` is the child.
 
 The child builds the benchmark state (``workload.make_state``), makes its
 checkpointer (shardkit), waits ``SETTLE_S`` seconds (the kernel takes back memory freed while
 building the state, as in a job that has run for a while), then times the
 one call, waits for the save to finish (untimed) and prints the seconds the
 call blocked as JSON. Not timed: the state, the imports, the write.
+
+``ballast_bytes`` (default 0) makes the child fill that many bytes of its
+own (untimed, kept alive) before it settles: memory the process's
+neighbours freed recently is used up first, so the timed call's staging
+lands on memory the kernel has long had free, on a VM with free page
+reporting memory the host has taken back (the slowest to fault in). On the
+2-core benchmark VM a 6 GiB ballast turned 0.36 s first calls into 2.4-2.9 s
+ones, for every implementation alike.
 
 Example::
 
@@ -27,6 +35,7 @@ import subprocess
 import sys
 import time
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 from shardkit import knobs
@@ -48,14 +57,16 @@ IMPLS = {
 
 
 def first_call_blocked(impl: str, size_bytes: int, dir: str, *, settle_s: float = SETTLE_S,
-                       timeout_s: float = 600) -> float:
+                       ballast_bytes: int = 0, timeout_s: float = 600) -> float:
     """Seconds the first ``impl`` call blocked its caller, measured in a new Python process.
 
-    ``settle_s``: the child's wait between building its state and the call.
+    ``settle_s``: the child's wait between building its state and the call;
+    ``ballast_bytes``: memory the child fills and holds before it (see above).
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown async impl {impl!r}; known: {sorted(IMPLS)}")
-    done = subprocess.run([sys.executable, "-m", "shardkit.bench.async_first", impl, str(size_bytes), dir, str(settle_s)],
+    argv = [impl, str(size_bytes), dir, str(settle_s), str(ballast_bytes)]
+    done = subprocess.run([sys.executable, "-m", "shardkit.bench.async_first", *argv],
                           capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
     if done.returncode != 0:
         raise RuntimeError(f"the first-call child for {impl} failed (exit {done.returncode}): {done.stderr[-2000:]}")
@@ -87,6 +98,7 @@ def _dcp_first(state, dir: str, settle_s: float) -> float:
 def _child(argv: list[str]) -> None:
     impl, size_bytes, dir, settle_s = argv[0], int(argv[1]), argv[2], float(argv[3])
     state = make_state(size_bytes)
+    ballast = torch.ones(int(argv[4]) // 4 if len(argv) > 4 else 0)  # noqa: F841 - held until the child exits
     run = {"shardkit": _shardkit_first,
            "shardkit, knobs.STAGING_PREFAULT=False": lambda *a: _shardkit_first(*a, prefault=False),
            "torch.distributed.checkpoint.async_save": _dcp_first}[impl]
