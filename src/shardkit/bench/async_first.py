@@ -19,8 +19,9 @@ own (untimed, kept alive) before it settles: memory the process's
 neighbours freed recently is used up first, so the timed call's staging
 lands on memory the kernel has long had free, on a VM with free page
 reporting memory the host has taken back (the slowest to fault in). On the
-2-core benchmark VM a 6 GiB ballast turned 0.36 s first calls into 2.4-2.9 s
-ones, for every implementation alike.
+2-core benchmark VM a 6 GiB ballast turned 0.33-0.56 s first calls into
+2.4-3.3 s ones, for every implementation measured (three children each:
+shardkit's median 2.75 s, ``dcp.async_save``'s 2.96 s).
 
 Example::
 
