@@ -1,3 +1,4 @@
+import io
 import os
 
 import pytest
@@ -38,6 +39,40 @@ def test_atomic_writer_publishes_whole(tmp_path):
         assert not target.exists()
     assert target.read_bytes() == b"hello"
     assert os.listdir(tmp_path) == ["m.json"]
+
+
+class _ShortWrites:
+    """A raw file whose writes take at most ``cap`` bytes, as Linux's take at most ~2 GiB."""
+
+    def __init__(self, raw, cap):
+        self._raw, self._cap = raw, cap
+
+    def write(self, data):
+        return self._raw.write(memoryview(data).cast("B")[:self._cap])
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
+
+
+def test_atomic_writer_retries_short_writes_so_torch_save_files_are_whole(tmp_path, monkeypatch):
+    # torch.save hands each storage over in one write and ignores the count a short write returns
+    import builtins
+
+    import torch
+
+    from shardkit.storage import atomic
+
+    monkeypatch.setattr(atomic, "open", lambda *a, **k: _ShortWrites(builtins.open(*a, **k), 4096), raising=False)
+    tensors = {"w": torch.arange(100_000, dtype=torch.float32).reshape(1000, 100), "s": torch.tensor(7)}
+    target = tmp_path / "w.bin"
+    with atomic_local_writer(str(target)) as f:
+        torch.save(tensors, f)
+        assert f.write(torch.arange(6, dtype=torch.int16).numpy()) == 12  # any buffer: its length in bytes
+    with open(target, "rb") as f:
+        data = f.read()
+    loaded = torch.load(io.BytesIO(data[:-12]), weights_only=True)
+    assert loaded["w"].equal(tensors["w"]) and loaded["s"].equal(tensors["s"])
+    assert data[-12:] == torch.arange(6, dtype=torch.int16).numpy().tobytes()
 
 
 def test_atomic_writer_failure_keeps_old_file(tmp_path):

@@ -134,11 +134,12 @@ def typed_io_errors(path: str, doing: str, outcome: str) -> Iterator[None]:
 
 
 class _LocalFile:
-    """An unbuffered file that remembers the ``OSError`` a write raised (``torch.save``
-    turns it into a bare ``RuntimeError``) and, with ``writeback``, asks the kernel to
-    start writing each chunk out as soon as it is written, so the disk works while we
-    still fill the page cache and the final fsync has little left to do. Other file
-    methods (``tell``, ``flush``, ...) go to the underlying file."""
+    """An unbuffered file whose ``write`` writes every byte it is given (retrying short
+    writes), that remembers the ``OSError`` a write raised (``torch.save`` turns it into
+    a bare ``RuntimeError``) and, with ``writeback``, asks the kernel to start writing
+    each chunk out as soon as it is written, so the disk works while we still fill the
+    page cache and the final fsync has little left to do. Other file methods (``tell``,
+    ``flush``, ...) go to the underlying file."""
 
     def __init__(self, raw, writeback: bool):
         self._raw = raw
@@ -148,8 +149,15 @@ class _LocalFile:
         self.write_error: OSError | None = None
 
     def write(self, data) -> int:
+        """Write all of ``data`` (a raw write may take less: Linux caps one at just under 2 GiB,
+        and ``torch.save`` ignores the count), then return its length."""
+        view = memoryview(data)
+        if view.ndim != 1 or view.format not in ("B", "b", "c"):
+            view = view.cast("B")
+        n = 0
         try:
-            n = self._raw.write(data)
+            while n < view.nbytes:
+                n += self._raw.write(view[n:])
         except OSError as e:
             self.write_error = e
             raise
