@@ -127,3 +127,56 @@ def test_file_writes_copy_so_the_caller_may_reuse_its_buffer(monkeypatch):
         writer.write(buf)
     writer.commit()
     assert fs.objects["file"] == b"".join(bytes([v]) * 3 * MIB for v in (1, 2, 3))
+
+
+def _tiny_parts(monkeypatch, part_bytes: int = 16, min_part_bytes: int = 8) -> None:
+    """S3's part sizes scaled down to bytes, so thousands of parts take milliseconds."""
+    from shardkit.storage import s3_upload
+
+    monkeypatch.setattr(s3_upload, "_MIN_PART_BYTES", min_part_bytes)
+    monkeypatch.setattr(knobs, "OBJECT_PART_BYTES", part_bytes)
+
+
+def test_thousands_of_parts_that_finish_at_once_never_break_the_in_flight_limit(monkeypatch):
+    # parts finishing between the count of those in flight and the wait for one raised StopIteration
+    _tiny_parts(monkeypatch)
+    monkeypatch.setattr(knobs, "OBJECT_UPLOAD_PARTS_IN_FLIGHT", 2)
+    data = bytes(range(256)) * 250  # 64000 bytes: thousands of parts
+    fs = _FakeS3()
+    writer = S3MultipartWriter(fs, "bucket/file")
+    sink = S3PartSink(writer)
+    for start in range(0, len(data), 16):
+        sink.write(memoryview(data)[start:start + 16])
+    writer.commit()
+    assert fs.objects["file"] == data and len(fs.part_sizes()) > 2000
+
+
+@pytest.mark.parametrize("known_size", [True, False])
+def test_a_file_larger_than_10000_default_parts_still_fits_s3_s_10000(monkeypatch, known_size):
+    # 16 MiB parts cover 160 GiB; past it S3 refuses part 10,001, after everything was sent
+    _tiny_parts(monkeypatch)
+    data = np.random.default_rng(0).integers(0, 256, 25_000 * 16, dtype=np.uint8).tobytes()
+    fs = _FakeS3()
+    writer = S3MultipartWriter(fs, "bucket/file")
+    if known_size:
+        writer.expect_bytes(len(data))  # what FsspecStorage.open_sink does with the writer's size
+        sink = S3PartSink(writer)
+        for start in range(0, len(data), sink.piece_bytes):
+            sink.write(memoryview(data)[start:start + sink.piece_bytes])
+    else:  # torch.save's writes: the size is not known ahead
+        for start in range(0, len(data), 16):
+            writer.write(data[start:start + 16])
+    writer.commit()
+    assert fs.objects["file"] == data
+    assert len(fs.part_sizes()) <= 10_000
+    assert all(n >= 8 for n in fs.part_sizes()[:-1])
+
+
+def test_a_file_over_s3_s_5_tib_object_limit_is_refused_before_any_upload():
+    from shardkit.errors import CheckpointIOError
+
+    fs = _FakeS3()
+    writer = S3MultipartWriter(fs, "bucket/big.safetensors")
+    with pytest.raises(CheckpointIOError, match="over S3's limit of 5 TiB.*Nothing was uploaded"):
+        writer.expect_bytes(6 * 1024**4)
+    assert fs.calls == []

@@ -314,6 +314,7 @@ class FsspecStorage(Storage):
         """S3: the writer's pieces go out as upload parts without a copy (``storage.s3_upload``);
         other stores: sequential writes (``Storage.open_sink``)."""
         if isinstance(f, S3MultipartWriter):
+            f.expect_bytes(size_bytes)
             return S3PartSink(f)
         return super().open_sink(f, durable, checksum, size_bytes, inline)
 

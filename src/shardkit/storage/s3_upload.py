@@ -23,14 +23,22 @@ import base64
 import contextlib
 import io
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from shardkit import knobs
+from shardkit.errors import CheckpointIOError
 
 __all__ = ["S3MultipartWriter", "S3PartSink"]
 
 #: S3's smallest part (all but the last part of an upload must be at least this big).
 _MIN_PART_BYTES = 5 * 1024 * 1024
+#: S3's limits: parts per upload, bytes per part, bytes per object.
+_MAX_PARTS = 10_000
+_MAX_PART_BYTES = 5 * 1024**3
+_MAX_OBJECT_BYTES = 5 * 1024**4
+#: A file of unknown size: parts double every this many (up to ``_MAX_PART_BYTES``), so
+#: 16 MiB parts reach S3's 5 TiB object within its 10,000 parts.
+_PARTS_PER_SIZE = 1000
 
 
 def _crc32_header(body) -> str:
@@ -106,10 +114,13 @@ class S3MultipartWriter:
     :meth:`write` copies (file semantics: the caller may reuse its buffer);
     :meth:`write_view` (the sink's path, :class:`S3PartSink`) keeps the
     caller's memory and sends it as it is: a part that lies in one view goes
-    out without a copy, only views smaller than S3's 5 MiB minimum part are
-    joined (with the start of the next view: under 10 MiB copied per run of
-    small views). Parts are at most about ``knobs.OBJECT_PART_BYTES``,
-    ``knobs.OBJECT_UPLOAD_PARTS_IN_FLIGHT`` in flight. A file smaller than
+    out without a copy, only views smaller than the smallest part (S3's
+    5 MiB) are joined (with the start of the next view: under two smallest
+    parts copied per run of small views). Parts are about
+    ``knobs.OBJECT_PART_BYTES``; ``knobs.OBJECT_UPLOAD_PARTS_IN_FLIGHT`` in
+    flight. Where S3's 10,000 parts could not hold the file, parts (and the
+    smallest part) grow: to fit the size :meth:`expect_bytes` was told, or,
+    with no size told, doubling every 1000 parts. A file smaller than
     one part is one PUT at commit. Each part's
     CRC-32 is computed on the part's thread (the server checks it), off the
     event loop. Nothing is visible under the key before
@@ -119,14 +130,29 @@ class S3MultipartWriter:
     def __init__(self, fs, key: str):
         self._fs = fs
         self._bucket, self._key, _ = fs.split_path(key)
+        self._floor_bytes = _MIN_PART_BYTES  # every part but the last is at least this big
         self._part_bytes = max(_MIN_PART_BYTES, knobs.OBJECT_PART_BYTES)
         self._pending: list[memoryview] = []   # not yet a part: joined when sent
         self._pending_bytes = 0
         self._ready: list[list[memoryview]] = []  # parts held back until the file is known to need an upload
         self._upload_id: str | None = None
         self._parts: list[Future] = []
+        self._in_flight: list[Future] = []
         self._pool: ThreadPoolExecutor | None = None
         self._written = 0
+
+    def expect_bytes(self, size_bytes: int | None) -> None:
+        """Size the parts for a file of ``size_bytes`` (before its first byte): S3 takes at most
+        10,000 parts of one upload; a file over S3's 5 TiB limit is refused here, before any upload."""
+        if size_bytes is None or self._written:
+            return
+        if size_bytes > _MAX_OBJECT_BYTES:
+            raise CheckpointIOError(
+                f"s3://{self._bucket}/{self._key} would be {size_bytes} bytes, over S3's limit of 5 TiB per "
+                f"object. Nothing was uploaded; save with more ranks (or more files per rank) so each file is smaller.")
+        # every part but the last >= floor: at most size / floor + 1 parts
+        self._floor_bytes = max(self._floor_bytes, -(-size_bytes // (_MAX_PARTS - 1)))
+        self._part_bytes = max(self._part_bytes, self._floor_bytes)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -138,16 +164,17 @@ class S3MultipartWriter:
         view = view.cast("B") if view.format != "B" else view
         self._written += len(view)
         while len(view):
-            if self._pending_bytes == 0 and len(view) >= _MIN_PART_BYTES:
-                take = len(view) if len(view) < self._part_bytes + _MIN_PART_BYTES else self._part_bytes
+            floor = self._floor_bytes
+            if self._pending_bytes == 0 and len(view) >= floor:
+                take = len(view) if len(view) < self._part_bytes + floor else self._part_bytes
                 self._add_part([view[:take]])
-            else:  # small bytes wait for more, topped up to the minimum part from the next view
-                need = _MIN_PART_BYTES - self._pending_bytes  # > 0
-                # ... leaving of that view nothing or a part of its own: at most 2 x 5 MiB copied
-                take = len(view) if len(view) - need < _MIN_PART_BYTES else need
+            else:  # small bytes wait for more, topped up to the smallest part from the next view
+                need = floor - self._pending_bytes  # > 0
+                # ... leaving of that view nothing or a part of its own: under 2 smallest parts copied
+                take = len(view) if len(view) - need < floor else need
                 self._pending.append(view[:take])
                 self._pending_bytes += take
-                if self._pending_bytes >= _MIN_PART_BYTES:
+                if self._pending_bytes >= floor:
                     self._add_part(self._pending)
                     self._pending, self._pending_bytes = [], 0
             view = view[take:]
@@ -176,10 +203,21 @@ class S3MultipartWriter:
         if self._upload_id is None:
             self._upload_id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)["UploadId"]
             self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="shardkit-s3-part")
-        while sum(not f.done() for f in self._parts) >= in_flight:
-            next(f for f in self._parts if not f.done()).result()
+        self._in_flight = [f for f in self._in_flight if not f.done()]
+        while len(self._in_flight) >= in_flight:
+            for done in wait(self._in_flight, return_when=FIRST_COMPLETED).done:
+                done.result()  # a failed part stops the upload here
+            self._in_flight = [f for f in self._in_flight if not f.done()]
+        if len(self._parts) >= _MAX_PARTS:
+            raise CheckpointIOError(
+                f"s3://{self._bucket}/{self._key} needs more than S3's {_MAX_PARTS} parts of one upload; "
+                f"nothing was published under that key. Raise knobs.OBJECT_PART_BYTES, or save with more ranks.")
         body = views[0] if len(views) == 1 else memoryview(b"".join(views))  # one view: no copy
         self._parts.append(self._pool.submit(self._upload_part, len(self._parts) + 1, body))
+        self._in_flight.append(self._parts[-1])
+        if len(self._parts) % _PARTS_PER_SIZE == 0:  # a file larger than expected still fits
+            self._floor_bytes = min(2 * self._floor_bytes, _MAX_PART_BYTES // 4)
+            self._part_bytes = min(max(2 * self._part_bytes, self._floor_bytes), _MAX_PART_BYTES // 2)
 
     def _upload_part(self, number: int, body: memoryview) -> dict:
         _send_without_expect_continue(self._fs)
