@@ -35,6 +35,14 @@ def _battery(rank, world_size, uid_bytes):
             for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG):
                 out["reduce", str(dtype), op.name] = g.all_reduce(_value(rank, dtype), op).tolist()
         out["bool_max"] = g.all_reduce(torch.tensor([rank == 3, False]), ReduceOp.MAX).tolist()
+        # bools are logical: SUM is or, PROD is and (not bytes added: 4 ranks' True is 1, not 4)
+        out["bool_sum"] = g.all_reduce(torch.tensor([True, False, rank == 0]), ReduceOp.SUM).view(torch.uint8).tolist()
+        out["bool_prod"] = g.all_reduce(torch.tensor([True, rank != 0]), ReduceOp.PROD).view(torch.uint8).tolist()
+        # AVG of narrow dtypes: the sum must not overflow before the division
+        out["avg_wide"] = [g.all_reduce(torch.tensor(v, dtype=d), ReduceOp.AVG).tolist() for v, d in (
+            ([100, -100], torch.int8), ([200], torch.uint8), ([30000], torch.int16), ([2**30 + rank], torch.int32),
+            ([40000.0], torch.float16))]
+        out["rs_avg_wide"] = g.reduce_scatter(torch.full((4,), 100, dtype=torch.int8), ReduceOp.AVG).tolist()
         many = [torch.full((1000,), float(rank)) for _ in range(50)] + [torch.tensor([rank], dtype=torch.int32)]
         g.all_reduce_(many, ReduceOp.AVG)
         out["many"] = (many[0][0].item(), many[49][-1].item(), many[50].item())
@@ -71,6 +79,9 @@ def test_four_ranks_every_collective_op_and_dtype(tmp_path):
                 got = torch.tensor(res["reduce", str(dtype), op], dtype=torch.float64)
                 assert torch.allclose(got, w.to(dtype).double(), atol=1e-2), (r, dtype, op)
         assert res["bool_max"] == [True, False]
+        assert res["bool_sum"] == [1, 0, 1] and res["bool_prod"] == [1, 0]
+        assert res["avg_wide"] == [[100, -100], [200], [30000], [2**30 + 1], [40000.0]]
+        assert res["rs_avg_wide"] == [100]
         assert res["many"] == (1.5, 1.5, 1)  # int AVG: 6 // 4
         assert res["bcast"] == ([3, 3], 1.5, 1)
         assert res["gather"] == [0, 10, 20, 30]

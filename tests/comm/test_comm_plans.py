@@ -27,6 +27,15 @@ def test_avg_plans():
     assert plan_reduction(ReduceOp.AVG, torch.bfloat16, "nccl").torch_op == dist.ReduceOp.AVG
 
 
+def test_narrow_avg_sums_wide_and_bool_sum_prod_are_logical():
+    assert plan_reduction(ReduceOp.AVG, torch.int8, "gloo").wire_dtype == torch.int64
+    assert plan_reduction(ReduceOp.AVG, torch.int32, "nccl").wire_dtype == torch.int64
+    assert plan_reduction(ReduceOp.AVG, torch.float16, "gloo").wire_dtype == torch.float32
+    assert plan_reduction(ReduceOp.AVG, torch.bfloat16, "nccl").wire_dtype == torch.bfloat16  # NCCL's own AVG
+    assert plan_reduction(ReduceOp.SUM, torch.bool, "gloo").torch_op == dist.ReduceOp.MAX
+    assert plan_reduction(ReduceOp.PROD, torch.bool, "nccl").torch_op == dist.ReduceOp.MIN
+
+
 def test_int16_travels_as_int32_and_complex_as_real():
     assert plan_reduction(ReduceOp.SUM, torch.int16, "gloo").wire_dtype == torch.int32
     c = plan_reduction(ReduceOp.AVG, torch.complex64, "gloo")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from shardkit.comm.reduce_op import ReduceOp, coerce_op, plan_reduction
 from shardkit.errors import CommArgumentError, InvalidRankError, UnsupportedOpError
@@ -25,6 +26,8 @@ __all__ = ["DeviceGroup", "validate_devices"]
 
 # NCCL's own op numbering, which torch.cuda.nccl passes through unchanged.
 _NCCL_OP = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3}
+_BY_TORCH_OP = {dist.ReduceOp.SUM: ReduceOp.SUM, dist.ReduceOp.PRODUCT: ReduceOp.PROD,
+                dist.ReduceOp.MAX: ReduceOp.MAX, dist.ReduceOp.MIN: ReduceOp.MIN}
 
 
 def validate_devices(devices) -> list[torch.device]:
@@ -93,10 +96,11 @@ class DeviceGroup:
         """Reduce the per-device tensors in place; AVG as in :class:`ReduceOp` (integers floor-divide)."""
         tensors = self._check(tensors, streams, "DeviceGroup.all_reduce_")
         op = coerce_op(op)
-        plan = plan_reduction(op, tensors[0].dtype, "nccl")  # same dtype rules as a Group
+        # same dtype rules as a Group; AVG sums in the tensors' own dtype here, then divides
+        plan = plan_reduction(ReduceOp.SUM if op is ReduceOp.AVG else op, tensors[0].dtype, "nccl")
         if plan.complex_view or plan.wire_dtype != tensors[0].dtype:
             raise UnsupportedOpError(f"DeviceGroup.all_reduce_: dtype {tensors[0].dtype} is not supported by NCCL")
-        nccl_op = _NCCL_OP[ReduceOp.SUM if op is ReduceOp.AVG else op]
+        nccl_op = _NCCL_OP[_BY_TORCH_OP[plan.torch_op]]  # bool SUM/PROD: the plan's MAX/MIN
         streams = list(streams) if streams is not None else None
         self._nccl.all_reduce(tensors, op=nccl_op, streams=streams)
         if op is ReduceOp.AVG:

@@ -32,7 +32,8 @@ class ReduceOp(enum.Enum):
     tensors it is the sum floor-divided by the world size (rounds toward minus
     infinity, like Python's ``//``: ranks holding 1 and -2 give -1). On bool
     tensors ``SUM``/``MAX`` mean logical or, ``PROD``/``MIN`` logical and, and
-    ``AVG`` is refused.
+    ``AVG`` is refused. ``AVG`` of narrow dtypes (8-32-bit integers, float16,
+    bfloat16) sums in int64 or float32, so the sum does not overflow.
 
     Example::
 
@@ -67,6 +68,12 @@ BACKEND_DTYPES = {
     }),
 }
 _WIDENED = {torch.int16: torch.int32}
+# AVG sums before it divides: narrow dtypes sum on a wide wire, so ranks holding 100 and 100
+# in int8 (or 40000 in float16) average to 100 (40000), not to a wrapped (infinite) sum's half.
+_AVG_WIRE = {torch.int8: torch.int64, torch.uint8: torch.int64, torch.int16: torch.int64,
+             torch.int32: torch.int64, torch.float16: torch.float32, torch.bfloat16: torch.float32}
+# Backends add and multiply bools as bytes (True + True = 2, wrapping to 0 at 256 ranks' worth).
+_BOOL_OP = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PROD: ReduceOp.MIN}
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,8 @@ def _plan(op: ReduceOp, dtype: torch.dtype, backend: str) -> ReductionPlan:
             "int16 and complex64/128. Cast the tensor (e.g. .float()) before reducing."
         )
     if op is not ReduceOp.AVG:
+        if dtype == torch.bool:
+            op = _BOOL_OP.get(op, op)  # logical or / and
         return ReductionPlan(wire, _TORCH_OP[op], None, False)
     if dtype == torch.bool:
         raise UnsupportedOpError(
@@ -120,7 +129,7 @@ def _plan(op: ReduceOp, dtype: torch.dtype, backend: str) -> ReductionPlan:
         return ReductionPlan(wire, dist.ReduceOp.AVG, None, False)
     # Gloo before torch 2.13 has no AVG, and integer AVG needs a defined rounding.
     post = "true_div" if dtype.is_floating_point else "floor_div"
-    return ReductionPlan(wire, dist.ReduceOp.SUM, post, False)
+    return ReductionPlan(_AVG_WIRE.get(dtype, wire), dist.ReduceOp.SUM, post, False)
 
 
 def _plan_complex(op: ReduceOp, dtype: torch.dtype) -> ReductionPlan:
