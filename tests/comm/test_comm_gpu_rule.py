@@ -59,6 +59,19 @@ def test_round_trip_warns_on_every_call_and_copies_back():
     assert len(fallbacks) == 2 and FALLBACK_ENV in str(fallbacks[0].message)
 
 
+def test_round_trip_copies_back_only_what_the_collective_writes():
+    # reduce_scatter's input may be a parameter or an expanded view: it is read, never written
+    weight = torch.nn.Parameter(torch.ones(4))
+    expanded = torch.ones(1).expand(4)
+    out = torch.zeros(2)
+    with warnings.catch_warnings(record=True):
+        for source in (weight, expanded):
+            host_round_trip([source, out], "reduce_scatter", lambda hs: (hs[0].mul_(3), hs[1].fill_(5)), written=(1,))
+            assert source.tolist() == [1.0] * 4 and out.tolist() == [5.0, 5.0]
+        host_round_trip([weight], "broadcast_", lambda hs: hs[0].fill_(2))  # a parameter written in place
+    assert weight.tolist() == [2.0] * 4 and weight.requires_grad
+
+
 def test_round_trip_warns_twice_under_pythons_default_filter():
     t = torch.ones(1)
     with warnings.catch_warnings(record=True) as caught:

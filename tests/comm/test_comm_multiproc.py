@@ -91,6 +91,32 @@ def test_four_ranks_every_collective_op_and_dtype(tmp_path):
         assert res["torch"] == ([6.0, 6.0], r, 4)
 
 
+def _parameters_in_place(rank, world_size, uid_bytes):
+    with Group.init_rank(rank, world_size, UniqueId.from_bytes(uid_bytes), timeout=30) as g:
+        torch.manual_seed(rank)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+        params = list(model.parameters())  # leaves that require grad: written in place, as torch's DDP does
+        g.broadcast_(params, root=0)
+        sent = [p.detach().clone() for p in params]
+        for p in params:
+            p.detach().add_(rank)
+        g.all_reduce_(params, ReduceOp.AVG)
+        out = torch.nn.Parameter(torch.zeros(2, 3).t())  # non-contiguous
+        if rank == 0:
+            g.send(torch.arange(6.).reshape(3, 2), 1)
+        else:
+            g.recv(out, 0)
+        return [t.tolist() for t in sent], [p.tolist() for p in params], out.tolist(), all(p.requires_grad for p in params)
+
+
+def test_broadcast_and_average_parameters_in_place():
+    (sent0, avg0, _, grad0), (sent1, avg1, recv1, grad1) = spawn_ranks(_parameters_in_place, 2)
+    assert sent0 == sent1 and avg0 == avg1 and grad0 and grad1
+    assert torch.allclose(torch.cat([torch.tensor(p).flatten() for p in avg1]),
+                          torch.cat([torch.tensor(p).flatten() for p in sent1]) + 0.5)
+    assert recv1 == torch.arange(6.).reshape(3, 2).tolist()
+
+
 def _from_env_and_ddp(rank, world_size, uid_bytes):
     uid = UniqueId.from_bytes(uid_bytes)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",

@@ -49,7 +49,8 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     if len(tensors) == 1 and flat.data_ptr() == tensors[0].data_ptr():
         return
     chunks = [c.view(t.shape) for t, c in zip(tensors, flat.split([t.numel() for t in tensors]))]
-    torch._foreach_copy_(list(tensors), chunks)  # one dispatch for all copies, not one per tensor
+    # one dispatch for all copies; detached, as the single-tensor path writes in place (parameters too)
+    torch._foreach_copy_([t.detach() for t in tensors], chunks)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -69,4 +70,4 @@ def unpack_bytes(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         return
     sizes = [t.numel() * t.element_size() for t in tensors]
     for t, chunk in zip(tensors, flat.split(sizes)):
-        t.copy_(chunk.view(t.dtype).view(t.shape))
+        t.detach().copy_(chunk.view(t.dtype).view(t.shape))

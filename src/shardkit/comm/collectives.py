@@ -86,13 +86,14 @@ class Collectives:
         # An NCCL group sends CPU tensors through its Gloo side, with Gloo's rules.
         return "nccl" if self.backend == "nccl" and t.is_cuda else "gloo"
 
-    def _run(self, tensors, what: str, stream, body) -> None:
-        """Run ``body(tensors)`` natively (on ``stream`` for CUDA) or through the host."""
+    def _run(self, tensors, what: str, stream, body, written=None) -> None:
+        """Run ``body(tensors)`` natively (on ``stream`` for CUDA) or through the host
+        (copying back the tensors at indices ``written``, default all)."""
         if not tensors:
             self._check_usable(what)
             return
         if self._route(tensors, what) == "host":
-            host_round_trip(tensors, what, body)
+            host_round_trip(tensors, what, body, written)
             return
         ctx = contextlib.nullcontext()
         if stream is not None and tensors[0].is_cuda:
@@ -159,7 +160,7 @@ class Collectives:
         self._check_same_args("reduce_scatter", [tensor], op.name)
         rows = tensor.shape[0] // self.world_size
         out = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        self._run([tensor, out], "reduce_scatter", None, lambda ts: self._reduce_scatter(*ts, plan))
+        self._run([tensor, out], "reduce_scatter", None, lambda ts: self._reduce_scatter(*ts, plan), written=(1,))
         return out
 
     def _reduce_scatter(self, tensor, out, plan) -> None:
@@ -257,7 +258,7 @@ class Collectives:
         tensor = _one_tensor(tensor, "send")
         self._check_peer(dst, "dst", "send")
         self._run([tensor.detach().contiguous()], "send", None,
-                  lambda ts: self._wait(self._pg.send(ts, dst, 0), f"send to rank {dst}"))
+                  lambda ts: self._wait(self._pg.send(ts, dst, 0), f"send to rank {dst}"), written=())
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         """Receive into ``tensor`` (in place) what rank ``src`` sent with ``send``."""
@@ -269,7 +270,7 @@ class Collectives:
         buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
         self._wait(self._pg.recv([buf], src, 0), f"recv from rank {src}")
         if buf is not tensor:
-            tensor.copy_(buf)
+            tensor.detach().copy_(buf)
 
     def _check_peer(self, peer, role: str, what: str) -> None:
         self._check_rank(peer, role, what)

@@ -86,10 +86,15 @@ def warn_fallback(op_name: str) -> None:
     )
 
 
-def host_round_trip(tensors: Sequence[torch.Tensor], op_name: str, run: Callable[[list], None]) -> None:
-    """Copy ``tensors`` to the host, ``run`` the collective on the copies, copy back, warn."""
+def host_round_trip(tensors: Sequence[torch.Tensor], op_name: str, run: Callable[[list], None],
+                    written: Sequence[int] | None = None) -> None:
+    """Copy ``tensors`` to the host, ``run`` the collective on the copies, copy back, warn.
+
+    ``written``: the indices of the tensors the collective writes (default: all);
+    only those are copied back, so an input is never written (nor needs to be writable).
+    """
     warn_fallback(op_name)
     host = [t.detach().to("cpu", copy=True) for t in tensors]
     run(host)
-    for dst, src in zip(tensors, host):
-        dst.copy_(src, non_blocking=False)
+    for i in range(len(tensors)) if written is None else written:
+        tensors[i].detach().copy_(host[i], non_blocking=False)
