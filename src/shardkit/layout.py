@@ -55,17 +55,22 @@ class Box(NamedTuple):
         return math.prod(self.sizes)
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def bounded_numel(shape: Sequence[int], limit: int) -> int | None:
     """The element count of ``shape``, or None when it exceeds ``limit`` (never builds a huge product).
 
     Claimed shapes come from untrusted files: this stops multiplying as soon
-    as the product passes ``limit`` (a zero dimension anywhere gives 0).
+    as the product passes ``limit``. A zero dimension anywhere gives 0, unless
+    the other dimensions' product passes int64, which torch cannot lay out
+    (None then, too).
 
-    >>> bounded_numel((2**50, 2**50, 0), 10), bounded_numel((2**50, 2), 10)
-    (0, None)
+    >>> bounded_numel((2**20, 2**20, 0), 10), bounded_numel((2**50, 2), 10), bounded_numel((2**62, 2**62, 0), 10)
+    (0, None, None)
     """
     if any(d == 0 for d in shape):
-        return 0
+        return 0 if bounded_numel([d for d in shape if d], _INT64_MAX) is not None else None
     numel = 1
     for d in shape:
         numel *= d

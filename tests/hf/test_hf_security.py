@@ -103,3 +103,15 @@ def test_header_with_lying_offsets_is_refused(tmp_path):
         f.write(struct.pack("<Q", len(body)) + body + b"\0" * 16)
     with pytest.raises(MetadataError, match="truncated"):
         load_checkpoint(str(tmp_path), None)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_an_empty_tensor_whose_other_dims_overflow_int64_is_refused(tmp_path, mmap):
+    # 0 elements match data_offsets [0, 0], but torch cannot lay the shape out (strides past int64)
+    body = json.dumps({"w": {"dtype": "F32", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]},
+                       "ok": {"dtype": "F32", "shape": [2**20, 0], "data_offsets": [0, 0]}}).encode()
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(body)) + body)
+    with pytest.raises(MetadataError, match=r"shape \[4611686018427387904, 4611686018427387904, 0\]"):
+        load_checkpoint(str(tmp_path), None, mmap=mmap)
+    assert not validate_checkpoint(str(tmp_path))

@@ -218,6 +218,8 @@ def _packing_hook(data_bytes: int) -> Callable[[dict], object]:
                 return raw
         if prod(shape) * itemsize != end - begin:  # at most 64 dims of 63 bits: a bounded product
             return raw
+        if begin == end and prod(max(dim, 1) for dim in shape) >= 1 << 63:  # empty, but no tensor has its strides
+            return raw
         shape = tuple(shape)
         return dtype, shapes.setdefault(shape, shape), begin, end  # one tuple per distinct shape
 
