@@ -68,3 +68,25 @@ def test_a_file_replaced_after_open_is_still_read_whole(tmp_path, mapped):
         out = bytearray(50_000)
         r.read_into(0, memoryview(out))
     assert bytes(out) == data
+
+
+def test_a_reader_dropped_without_close_gives_its_descriptor_back(tmp_path, mapped):
+    import gc
+
+    path, data = _file(tmp_path, 5000)
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = fds()
+    for _ in range(20):
+        reader = LocalStorage().open_reader(path)
+        out = bytearray(5000)
+        reader.read_into(0, memoryview(out))
+        assert bytes(out) == data
+        del reader
+    gc.collect()
+    assert fds() == before
+    reader = LocalStorage().open_reader(path)
+    reader.close()
+    reader.close()  # twice: still fine, and the collector closes nothing more
+    del reader
+    gc.collect()
+    assert fds() == before

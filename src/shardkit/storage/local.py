@@ -15,6 +15,7 @@ import os
 import shutil
 import stat
 import threading
+import weakref
 
 from shardkit import knobs
 from shardkit.errors import MissingShardError
@@ -57,6 +58,7 @@ class _LocalReader(Reader):
             os.close(self._fd)
             raise
         super().__init__(path, st.st_size)
+        self._fd_closer = weakref.finalize(self, os.close, self._fd)  # dropped without close(): freed with it
         self._map_lock = threading.Lock()
         self._map: mmap.mmap | None = None
         self._map_address: int | None = None  # None: not mapped yet; 0: cannot be mapped
@@ -141,6 +143,7 @@ class _LocalReader(Reader):
                 self._map.close()
                 self._map = None
         if self._fd >= 0:
+            self._fd_closer.detach()
             os.close(self._fd)
             self._fd = -1
 
