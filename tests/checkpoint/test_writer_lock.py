@@ -239,3 +239,34 @@ def test_a_file_system_without_flock_saves_unlocked_with_a_warning(tmp_path, mon
     with pytest.warns(RuntimeWarning, match="refuses flock.*holds no writer lock"):
         save_distributed({"w": torch.ones(2)}, tmp_path, 0, 1, None)
     assert validate_distributed(tmp_path).ok and os.listdir(tmp_path).count(lock_file_name()) == 0
+
+
+@pytest.mark.parametrize("code, kept", [("ENOLCK", True), ("EOPNOTSUPP", False)])
+def test_a_file_system_refusing_flock_saves_unlocked_and_keeps_a_lock_file_it_may_share(tmp_path, monkeypatch, code, kept):
+    # ENOLCK may pass (out of lock records, NFS lockd unreachable): another writer may hold that file's lock
+    import errno
+
+    from shardkit.storage import lock
+
+    def refuse(fd, how):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(lock.fcntl, "flock", refuse)
+    with pytest.warns(RuntimeWarning, match="refuses flock"):
+        with local_writer_lock(str(tmp_path)):
+            pass
+    assert (tmp_path / lock_file_name()).exists() is kept
+
+
+def test_a_failure_after_the_lock_is_taken_releases_it(tmp_path, monkeypatch):
+    from shardkit.storage import lock
+
+    monkeypatch.setattr(lock, "_still_named", lambda fd, path: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError):
+        with local_writer_lock(str(tmp_path)):
+            pass
+    assert len(os.listdir("/proc/self/fd")) == fds
+    monkeypatch.undo()
+    with local_writer_lock(str(tmp_path)):  # not left locked
+        pass

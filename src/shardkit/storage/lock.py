@@ -98,12 +98,17 @@ def _acquire(path: str, holder: str) -> int | None:
             other = _read_holder(fd)
             os.close(fd)
             if e.errno in _UNSUPPORTED:
-                _unlocked(path, e)
+                _unlocked(path, e, remove=e.errno != errno.ENOLCK)
                 return None
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             raise CheckpointBusyError(_busy_message(path, other)) from e
-        if _still_named(fd, path):
+        try:
+            named = _still_named(fd, path)
+        except BaseException:
+            os.close(fd)  # locked: an error here must not keep the directory locked until exit
+            raise
+        if named:
             break
         os.close(fd)  # the holder unlinked it as we opened it: lock the file now under that name
     with _held_guard:
@@ -116,9 +121,12 @@ def _acquire(path: str, holder: str) -> int | None:
 _UNSUPPORTED = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK}
 
 
-def _unlocked(path: str, e: OSError) -> None:
-    with contextlib.suppress(OSError):
-        os.remove(path)
+def _unlocked(path: str, e: OSError, *, remove: bool) -> None:
+    # ENOLCK (out of lock records, or NFS's lock daemon unreachable) may pass: another
+    # writer may hold the file's lock, so only a file system without flock loses the file.
+    if remove:
+        with contextlib.suppress(OSError):
+            os.remove(path)
     warnings.warn(f"the file system of {os.path.dirname(path)} refuses flock ({e}); this save holds no "
                   f"writer lock, so make sure no other save writes that directory at the same time",
                   RuntimeWarning, stacklevel=4)
