@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import tempfile
 import time
@@ -39,7 +40,7 @@ def _entry(rank, world_size, store_path, fn, args, results):
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         if store_path is None:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            results.put((rank, True, _picklable(fn(rank, world_size, *args))))
             return
         import torch.distributed as dist
 
@@ -48,11 +49,17 @@ def _entry(rank, world_size, store_path, fn, args, results):
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
         )
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            results.put((rank, True, _picklable(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
+
+
+def _picklable(value):
+    """``value``, checked here: the queue pickles in a feeder thread, which drops what it cannot pickle."""
+    pickle.dumps(value)
+    return value
 
 
 def _context():
@@ -95,15 +102,22 @@ def run_local_ranks(fn, world_size: int, *args, timeout_s: float = 600, workdir:
 def _collect(procs, results, world_size, timeout_s, may_die):
     values, failures = {}, []
     deadline = time.monotonic() + timeout_s
-    while len(values) + len(failures) < world_size - len(may_die):
+    gone: set[int] = set()  # exited without a result at the last poll
+    while True:
+        reported = set(values) | {rank for rank, _ in failures}
+        # every rank reports, except one of may_die that has exited
+        waiting = [r for r, p in enumerate(procs) if r not in reported and not (r in may_die and p.exitcode is not None)]
+        if not waiting:
+            break
         try:
             rank, ok, value = results.get(timeout=0.5)
         except queue_mod.Empty:
-            dead = [r for r, p in enumerate(procs)
-                    if p.exitcode not in (None, 0) and r not in values and r not in may_die]
+            # an exited rank's result is in the queue before it exits: one more quiet poll after its exit, it is dead
+            dead = [r for r in waiting if r in gone and r not in may_die]
+            gone = {r for r in waiting if procs[r].exitcode is not None}
             if dead or time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}"
+                    f"ranks {dead} exited without a result (exit codes {[procs[r].exitcode for r in dead]})"
                     if dead
                     else f"ranks did not finish within {timeout_s} s"
                 ) from None
