@@ -232,3 +232,30 @@ def _backward_on_closed_group(group):
 
 def test_a_failed_reduction_raises_from_backward_instead_of_hanging(groups2):
     assert on_threads(groups2, _backward_on_closed_group) == [True, True]
+
+
+def _rewrap_after_a_closed_group(group, fresh_groups):
+    import gc
+
+    fresh = fresh_groups[group.rank]
+    net = make_net(seed=7)
+    first = DistributedDataParallel(net, group)
+    group.close()  # the first group failed: wrap the same module again on a new one
+    del first
+    gc.collect()
+    second = DistributedDataParallel(net, fresh)
+    x, y = batch(0, fresh.rank)
+    nn.functional.mse_loss(second(x), y).backward()  # only the live wrapper's hooks reduce
+    grads = params_of_grads(net)
+    second.close()
+    return grads
+
+
+def test_a_dropped_wrapper_stops_reducing_so_the_module_can_be_wrapped_again(groups2):
+    fresh = Group.local(2)
+    try:
+        g0, g1 = on_threads(groups2, _rewrap_after_a_closed_group, fresh)
+    finally:
+        for g in fresh:
+            g.close()
+    assert_all_close(g0, g1)  # averaged on the fresh group, equal on both ranks

@@ -29,6 +29,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -69,6 +71,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync_this_backward = True  # what the last forward saw; hooks obey it
         self._handles = []
         self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # a module spread over devices runs hooks on one thread per device
         self._reset_step()
         if self._world_size == 1:
             return
@@ -78,6 +81,8 @@ class DistributedDataParallel(torch.nn.Module):
         for i, p in enumerate(self._params):
             self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-ddp")
+        # a wrapper dropped without close() (the module wrapped again) takes its hooks and thread with it
+        self._release = weakref.finalize(self, _release, self._handles, self._executor)
 
     # --- public ------------------------------------------------------------
 
@@ -104,12 +109,12 @@ class DistributedDataParallel(torch.nn.Module):
             self._require_sync = old
 
     def close(self) -> None:
-        """Remove the hooks and stop the communication thread; the module is left as it is."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        """Remove the hooks and stop the communication thread; the module is left as it is.
+
+        A wrapper that is dropped (garbage-collected) without ``close()`` does the same.
+        """
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._release()
             self._executor = None
 
     # --- construction ------------------------------------------------------
@@ -136,9 +141,13 @@ class DistributedDataParallel(torch.nn.Module):
         self._futures: list[Future] = []
 
     def _make_hook(self, i: int):
+        wrapper = weakref.ref(self)  # the hook must not keep a dropped wrapper alive (and reducing)
+
         def hook(_param):
-            if self._sync_this_backward:
-                self._on_grad_ready(i)
+            ddp = wrapper()
+            if ddp is not None and ddp._sync_this_backward:
+                with ddp._lock:
+                    ddp._on_grad_ready(i)
         return hook
 
     def _on_grad_ready(self, i: int) -> None:
@@ -175,3 +184,10 @@ class DistributedDataParallel(torch.nn.Module):
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
+
+
+def _release(handles: list, executor: ThreadPoolExecutor) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+    executor.shutdown(wait=True)
