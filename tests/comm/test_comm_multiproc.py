@@ -157,3 +157,19 @@ def test_a_killed_rank_makes_the_others_raise_within_the_timeout(tmp_path):
     for name, elapsed, msg in results[:2]:
         assert name in ("CommError", "CommTimeoutError"), (name, msg)
         assert elapsed < 5 + 2 + 10  # group timeout + shardkit's grace + a generous margin
+
+
+def _join_alone(rank, world_size, uid_bytes, as_rank):
+    # every rank but this one never comes: joining fails as a shardkit error, not torch's DistStoreError
+    try:
+        Group.init_rank(as_rank, 2, UniqueId.from_bytes(uid_bytes), timeout=2)
+    except CommError as e:
+        return type(e).__name__, "every rank was started" in str(e)
+    return "joined", False
+
+
+def test_a_rank_left_alone_at_the_rendezvous_gets_a_comm_error(tmp_path):
+    # rank 0 hosting a store nobody joins; rank 1 finding no store (in separate runs: never meeting)
+    assert spawn_ranks(_join_alone, 1, 0)[0] == ("CommTimeoutError", True)
+    name, hint = spawn_ranks(_join_alone, 1, 1)[0]
+    assert name in ("CommError", "CommTimeoutError") and hint

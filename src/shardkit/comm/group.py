@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from datetime import timedelta
@@ -25,7 +26,7 @@ from shardkit.comm.abort import AbortHandle, translate_failure, wait_work
 from shardkit.comm.backends import build_process_group, init_default_group, resolve_backend
 from shardkit.comm.collectives import Collectives
 from shardkit.comm.unique_id import UniqueId
-from shardkit.errors import CommAbortedError, CommArgumentError, CommError, InvalidRankError
+from shardkit.errors import CommAbortedError, CommArgumentError, CommError, CommTimeoutError, InvalidRankError
 
 __all__ = ["Group", "DEFAULT_TIMEOUT"]
 
@@ -103,9 +104,10 @@ class Group(Collectives):
         uid = unique_id if isinstance(unique_id, UniqueId) else UniqueId.from_bytes(unique_id)
         timeout = _as_timeout(timeout)
         backend = resolve_backend(backend)
-        store = _rendezvous_store(rank, world_size, uid.host, uid.port, rank == 0, timeout)
-        return cls._on_store(dist.PrefixStore(uid.store_prefix(), store), rank, world_size,
-                             backend, timeout, keepalive=(store,))
+        with _joining("Group.init_rank", timeout):
+            store = _rendezvous_store(rank, world_size, uid.host, uid.port, rank == 0, timeout)
+            return cls._on_store(dist.PrefixStore(uid.store_prefix(), store), rank, world_size,
+                                 backend, timeout, keepalive=(store,))
 
     @classmethod
     def from_env(cls, *, backend: str = "auto", timeout=DEFAULT_TIMEOUT) -> "Group":
@@ -122,10 +124,11 @@ class Group(Collectives):
         timeout, backend = _as_timeout(timeout), resolve_backend(backend)
         # Under torchrun the elastic agent already serves the store on MASTER_PORT.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        store = _rendezvous_store(rank, world_size, os.environ["MASTER_ADDR"],
-                                  int(os.environ["MASTER_PORT"]), rank == 0 and not agent, timeout)
-        return cls._on_store(dist.PrefixStore("shardkit/env/", store), rank, world_size,
-                             backend, timeout, keepalive=(store,))
+        with _joining("Group.from_env", timeout):
+            store = _rendezvous_store(rank, world_size, os.environ["MASTER_ADDR"],
+                                      int(os.environ["MASTER_PORT"]), rank == 0 and not agent, timeout)
+            return cls._on_store(dist.PrefixStore("shardkit/env/", store), rank, world_size,
+                                 backend, timeout, keepalive=(store,))
 
     @classmethod
     def _on_store(cls, store, rank, world_size, backend, timeout, keepalive) -> "Group":
@@ -176,8 +179,9 @@ class Group(Collectives):
         key = f"split{self._split_seq}-{'_'.join(map(str, ranks))}/"
         store = dist.PrefixStore(key, self._store)
         new_rank = ranks.index(self.rank)
-        pg = build_process_group(dist.PrefixStore("pg/", store), new_rank, len(ranks), self.backend,
-                                 self._timeout, loopback=self._loopback, device=self._device)
+        with _joining("Group.split", self._timeout):
+            pg = build_process_group(dist.PrefixStore("pg/", store), new_rank, len(ranks), self.backend,
+                                     self._timeout, loopback=self._loopback, device=self._device)
         return Group(pg, new_rank, len(ranks), self.backend, self._timeout, store,
                      keepalive=self._keepalive, loopback=self._loopback, device=self._device)
 
@@ -248,6 +252,23 @@ class Group(Collectives):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "aborted" if self._abort.is_aborted else "open"
         return f"Group(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, {state})"
+
+
+@contextlib.contextmanager
+def _joining(what: str, timeout: timedelta):
+    """Raise a failure to meet the other ranks (the store, the backend's connections) as a CommError."""
+    try:
+        yield
+    except CommError:
+        raise
+    except RuntimeError as e:  # torch's DistStoreError / DistNetworkError, Gloo's connect failures
+        text = str(e).strip()[:300]
+        hint = ("check that every rank was started, with the same world size, address and port, "
+                "and that no other program (or earlier group) serves that port")
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise CommTimeoutError(f"{what}: not every rank joined within {timeout.total_seconds():g} s; "
+                                   f"{hint}. Backend said: {text}") from e
+        raise CommError(f"{what}: joining the group failed; {hint}. Backend said: {text}") from e
 
 
 def _build_in_threads(n, make):
