@@ -95,3 +95,17 @@ def test_device_group_all_reduce_broadcast_and_split():
     for th in threads:
         th.join(120)
     assert out == [[2, 2], [2, 2]]
+
+
+@two_gpus
+def test_device_group_broadcasts_dtypes_nccl_has_no_type_for():
+    dg = DeviceGroup(["cuda:0", "cuda:1"])
+    for dtype in (torch.int16, torch.uint16, torch.complex64, torch.bool, torch.float8_e4m3fn):
+        src = torch.arange(6).to(dtype).reshape(2, 3)
+        ts = [torch.zeros(2, 3, dtype=dtype, device="cuda:0"), src.to("cuda:1")]
+        dg.broadcast_(ts, root=1)
+        torch.cuda.synchronize("cuda:0")
+        assert ts[0].cpu().view(torch.uint8).equal(src.view(torch.uint8)), dtype
+    scalar = [torch.tensor(0.0, device="cuda:0"), torch.tensor(2.5, device="cuda:1")]
+    dg.broadcast_(scalar, root=1)
+    assert scalar[0].item() == 2.5

@@ -116,7 +116,9 @@ class DeviceGroup:
         tensors = self._check(tensors, streams, "DeviceGroup.broadcast_")
         if not isinstance(root, int) or not 0 <= root < self.size:
             raise InvalidRankError(f"DeviceGroup.broadcast_: root {root!r} out of range 0..{self.size - 1}")
-        self._nccl.broadcast(tensors, root=root, streams=list(streams) if streams is not None else None)
+        # as bytes: NCCL has no int16, uint16/32/64 or complex type; a broadcast moves bytes of any dtype
+        self._nccl.broadcast([t.view(-1).view(torch.uint8) for t in tensors], root=root,
+                             streams=list(streams) if streams is not None else None)
 
     def split(self, *, timeout=timedelta(seconds=60)) -> list:
         """One NCCL :class:`Group` per device (rank i on ``devices[i]``), each for one thread."""
