@@ -4,8 +4,12 @@ Each method validates its arguments, applies the GPU-tensor rule, issues the
 torch ``ProcessGroup`` call asynchronously and waits through
 :func:`~shardkit.comm.abort.wait_work`, so nothing here can hang past the
 group's timeout or an abort. Shapes are not exchanged between ranks (that
-would cost a second round trip): mismatches that only another rank could see
-surface as a backend ``CommError`` or a timeout.
+would cost a second round trip), so ranks that pass different shapes or
+dtypes are not caught here: the backend may raise a ``CommError``, time out,
+return wrong values (an ``all_reduce`` or ``broadcast`` whose sizes differ),
+or, with Gloo's ``all_gather``, abort the process. Set
+``knobs.COMM_CHECK_ARGS = True`` while debugging to get a
+``CommArgumentError`` on every rank instead (one small extra collective per call).
 
 Example::
 
