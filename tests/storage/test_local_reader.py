@@ -90,3 +90,18 @@ def test_a_reader_dropped_without_close_gives_its_descriptor_back(tmp_path, mapp
     del reader
     gc.collect()
     assert fds() == before
+
+
+def test_new_directories_are_synced_into_their_parents(tmp_path, monkeypatch):
+    from shardkit.storage import atomic
+    from shardkit.storage.lock import local_writer_lock
+
+    synced = []
+    monkeypatch.setattr(atomic, "fsync_dir", lambda path: synced.append(os.path.relpath(path, tmp_path)))
+    LocalStorage().makedirs(str(tmp_path / "run" / "step-1"))
+    assert synced == [".", "run"]  # top down: each new entry made durable in its parent
+    synced.clear()
+    LocalStorage().makedirs(str(tmp_path / "run" / "step-1"))
+    assert synced == []  # nothing new: nothing to sync
+    with local_writer_lock(str(tmp_path / "run" / "step-2")):  # a save's lock makes its directory first
+        assert synced == ["run"]

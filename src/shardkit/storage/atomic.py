@@ -62,6 +62,18 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def makedirs_synced(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, then sync each new directory's entry into its parent
+    (top down), so what is committed inside later survives a power loss with its directories."""
+    missing, here = [], os.path.abspath(path)
+    while not os.path.isdir(here) and os.path.dirname(here) != here:
+        missing.append(here)
+        here = os.path.dirname(here)
+    os.makedirs(path, exist_ok=True)
+    for created in reversed(missing):
+        fsync_dir(os.path.dirname(created))
+
+
 def _load_sync_file_range():
     """libc's sync_file_range on Linux, else None (then writeback starts at fsync)."""
     if not sys.platform.startswith("linux"):

@@ -19,7 +19,7 @@ import weakref
 
 from shardkit import knobs
 from shardkit.errors import MissingShardError
-from shardkit.storage.atomic import atomic_local_writer, fsync_dir, typed_io_errors
+from shardkit.storage.atomic import atomic_local_writer, fsync_dir, makedirs_synced, typed_io_errors
 from shardkit.storage.base import Reader, Storage
 from shardkit.storage.lock import is_lock_name, local_writer_lock
 from shardkit.storage.memcopy import buffer_address, copy_and_hash, copy_bytes
@@ -188,8 +188,10 @@ class LocalStorage(Storage):
         return os.path.getsize(path)
 
     def makedirs(self, path: str) -> None:
+        """Create ``path`` and its missing parents, each new entry synced into its parent, so a
+        checkpoint committed inside does not vanish with its directory on a power loss."""
         with typed_io_errors(path, "create the directory", "Nothing was written; every checkpoint already saved is untouched."):
-            os.makedirs(path, exist_ok=True)
+            makedirs_synced(path)
 
     def listdir(self, path: str) -> list[str]:
         return sorted(os.listdir(path))

@@ -42,7 +42,7 @@ import warnings
 from typing import Iterator
 
 from shardkit.errors import CheckpointBusyError
-from shardkit.storage.atomic import typed_io_errors
+from shardkit.storage.atomic import makedirs_synced, typed_io_errors
 
 __all__ = ["LOCK_FILE_PREFIX", "is_lock_name", "local_writer_lock", "lock_file_name"]
 
@@ -76,7 +76,7 @@ def local_writer_lock(directory: str, *, slot: int = 0, holder: str = "") -> Ite
     """
     path = os.path.join(directory, lock_file_name(slot))
     with typed_io_errors(path, "take the writer lock", "Nothing was written; every checkpoint already saved is untouched."):
-        os.makedirs(directory, exist_ok=True)
+        makedirs_synced(directory)
         fd = _acquire(path, holder)
     if fd is None:
         yield
