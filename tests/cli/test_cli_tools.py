@@ -20,7 +20,8 @@ import torch
 from cli_helpers import (assert_one_line_error, dcp_save_rank, dcp_state, in_process, save_sharded, shardkit,
                          training_state)
 from ranks import run_ranks
-from shardkit.checkpoint import load_consolidated, load_distributed, read_metadata, validate_distributed
+from shardkit.checkpoint import (load_consolidated, load_distributed, read_metadata, save_distributed,
+                                 validate_distributed)
 from shardkit.errors import MetadataError
 from shardkit.sources import DcpCheckpoint, open_source, read_dcp_metadata
 
@@ -117,6 +118,21 @@ def test_convert_to_hf_exports_the_model_subtree(ckpt, tmp_path):
     assert loaded["w"].dtype == torch.bfloat16 and loaded["ids"].dtype == torch.int64
     assert loaded["w"].equal(state["model"]["w"].to(torch.bfloat16))
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"model_type": "toy"}
+
+
+def test_convert_to_hf_keeps_a_causal_lm_whole_and_a_prefix_is_a_subtree(tmp_path):
+    # model.* beside lm_head.weight is a Hugging Face model's own naming: nothing may be dropped or renamed
+    from shardkit.hf import load_checkpoint
+
+    state = {"model": {"embed": torch.randn(4, 3), "norm": torch.ones(3)}, "lm_head": {"weight": torch.randn(4, 3)}}
+    src = tmp_path / "lm"
+    save_distributed(state, src, 0, 1, None)
+    assert in_process("convert", src, tmp_path / "hf", "--to", "hf", "-q")[0] == 0
+    loaded = load_checkpoint(str(tmp_path / "hf"))
+    assert set(loaded) == {"model.embed", "model.norm", "lm_head.weight"}
+    assert loaded["lm_head.weight"].equal(state["lm_head"]["weight"])
+    assert in_process("convert", src, tmp_path / "sub", "--to", "hf", "--prefix", "model", "-q")[0] == 0
+    assert set(load_checkpoint(str(tmp_path / "sub"))) == {"embed", "norm"}  # "model" means "model."
 
 
 def test_convert_roundtrip_hf_to_distributed(ckpt, tmp_path):

@@ -4,8 +4,10 @@ SRC may be a shardkit distributed checkpoint, a Hugging Face directory or a
 PyTorch DCP checkpoint (``--from``, detected when left out). DCP's pickled
 ``.metadata`` is read through a restricted unpickler: one that carries code
 is refused and never runs. ``--to hf`` exports a model: the subtree under
-``--prefix`` (default: ``model.`` when the checkpoint also holds other state,
-such as an optimizer), with the prefix stripped, optionally cast with
+``--prefix`` (default: ``model.`` when everything else in the checkpoint is
+training state such as an optimizer or a step, else every tensor as named,
+so a Hugging Face model's ``lm_head.weight`` stays), with the prefix
+stripped, optionally cast with
 ``--dtype``, in shards of at most ``--max-shard-size``, plus ``config.json``
 (``--config``, or one found in SRC). ``--to distributed`` writes a one-rank
 checkpoint with every tensor replicated (loads on any world size).
@@ -38,7 +40,8 @@ def register(sub) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="largest HF shard, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="cast floating tensors to this dtype")
     p.add_argument("--prefix", default=None,
-                   help="export only names under this prefix, stripped (--to hf; '' for everything)")
+                   help="export only the subtree under this prefix, stripped (--to hf; '' for everything; "
+                        "default: 'model.' when all else is optimizer/training state)")
     p.add_argument("--config", default=None, help="a config.json to write beside the weights (--to hf)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     add_common(p)

@@ -143,20 +143,39 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
                           _check_distributed)
 
 
-def select_names(names, prefix: Optional[str]) -> dict[str, str]:
-    """``source name -> exported name``: only names under ``prefix`` (stripped); all names when None.
+#: Top-level names of a training checkpoint's state beside its model (``prefix=None`` leaves them out).
+TRAINING_STATE_NAMES = frozenset({
+    "optim", "optimizer", "optimizers", "optim_state", "optimizer_state", "lr_scheduler", "scheduler",
+    "schedulers", "scaler", "grad_scaler", "step", "epoch", "rng", "rng_state", "dataloader", "trainer",
+    "extra_state", "train_state",
+})
 
-    ``prefix=None`` with both ``model.*`` and other top-level names (a
-    training checkpoint: model plus optimizer) picks ``"model."``.
+
+def select_names(names, prefix: Optional[str]) -> dict[str, str]:
+    """``source name -> exported name``: only names in the subtree ``prefix`` (stripped); all names when None.
+
+    ``prefix`` is a subtree: ``"model"`` means ``"model."``. ``prefix=None``
+    picks ``"model."`` only when every other top-level name is known
+    training state (:data:`TRAINING_STATE_NAMES`: optimizer, scheduler,
+    step, ...), saying what it leaves out; otherwise everything is exported
+    as named (a Hugging Face model's ``model.*`` beside ``lm_head.weight``
+    keeps both).
+
+    >>> sorted(select_names(["model.w", "optim.w_m"], None).items())
+    [('model.w', 'w')]
+    >>> sorted(select_names(["model.w", "lm_head.weight"], None))
+    ['lm_head.weight', 'model.w']
     """
     names = list(names)
     if prefix is None:
         tops = {n.split(".", 1)[0] for n in names}
-        if "model" in tops and len(tops) > 1:
+        if "model" in tops and len(tops) > 1 and tops - {"model"} <= TRAINING_STATE_NAMES:
             prefix = "model."
-            log.info("exporting the model subtree only (prefix 'model.'); pass --prefix '' to export everything")
+            log.warning("exporting the model subtree only (prefix 'model.', stripped), leaving out %s; "
+                        "pass --prefix '' to export everything", ", ".join(sorted(tops - {"model"})))
     if not prefix:
         return {n: n for n in names}
+    prefix = prefix if prefix.endswith(".") else prefix + "."
     chosen = {n: n[len(prefix):] for n in names if n.startswith(prefix) and len(n) > len(prefix)}
     if not chosen:
         tops = sorted({n.split(".", 1)[0] + "." for n in names})
