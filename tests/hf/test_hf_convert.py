@@ -57,6 +57,25 @@ def test_distributed_to_hf(tmp_path, safetensors):
     assert len(set(index["weight_map"].values())) > 1
 
 
+def test_a_damaged_source_leaves_the_hf_checkpoint_already_there_untouched(tmp_path):
+    from shardkit.errors import IncompleteCheckpointError
+
+    full = _full()
+    _save_two_ranks(tmp_path / "good", full)
+    distributed_to_hf(str(tmp_path / "good"), str(tmp_path / "hf"))
+    before = sorted(os.listdir(tmp_path / "hf"))
+    _save_two_ranks(tmp_path / "bad", {k: v + 1 if v.is_floating_point() else v for k, v in full.items()})
+    data = tmp_path / "bad" / "rank_1.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0xFF  # one flipped byte in the last tensor rank 1 holds
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IncompleteCheckpointError, match="Nothing in .* was touched"):
+        distributed_to_hf(str(tmp_path / "bad"), str(tmp_path / "hf"))
+    assert sorted(os.listdir(tmp_path / "hf")) == before
+    out = load_checkpoint(str(tmp_path / "hf"), None)
+    assert all(torch.equal(out[k], full[k]) for k in full)
+
+
 def test_hf_to_distributed_and_back(tmp_path):
     full = _full()
     save_checkpoint(str(tmp_path / "hf"), full, safetensors=True, max_shard_size=300)

@@ -28,7 +28,7 @@ import torch
 from shardkit.checkpoint.read_path import open_checkpoint
 from shardkit.dtypes import from_safetensors_name
 from shardkit.layout import whole_box
-from shardkit.errors import MetadataError, TensorMismatchError
+from shardkit.errors import IncompleteCheckpointError, MetadataError, TensorMismatchError
 from shardkit.hf.bin_io import read_bin_shard
 from shardkit.hf.index import (
     files_to_names,
@@ -60,11 +60,23 @@ def distributed_to_hf(
     Non-tensor leaves of the saved state go to ``metadata["shardkit_objects"]``
     in the index. With ``safetensors=False`` each ``.bin`` shard is built in
     memory (a shard, not the model).
+
+    The source is validated whole (every byte against its checksum) before
+    an HF checkpoint already in ``hf_dir`` is replaced: a damaged or
+    incomplete source raises ``IncompleteCheckpointError`` and leaves
+    ``hf_dir`` as it was. That is one extra read of the source.
     """
+    from shardkit.checkpoint import validate_distributed
+
     store, root = storage_for(dist_dir)
     not_files = non_regular_problems(store, root)
     if not_files:
         raise MetadataError(f"{dist_dir}: {not_files[0]}")
+    report = validate_distributed(dist_dir)
+    if not report.ok:
+        raise IncompleteCheckpointError(f"{dist_dir} is damaged or incomplete: {report.problems[0]}"
+                            + (f" (and {len(report.problems) - 1} more problems)" if len(report.problems) > 1 else "")
+                            + f". Nothing in {hf_dir} was touched; convert an earlier checkpoint.")
     with hostile_input(dist_dir, fix="the distributed checkpoint is damaged; convert an earlier one"):
         source = open_checkpoint(dist_dir)
     with source:  # one manifest read, each data file opened once for the whole conversion
