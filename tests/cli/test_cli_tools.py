@@ -261,6 +261,42 @@ def test_diff_identical_from_checksums(ckpt, tmp_path):
     assert report["identical"] and all(t["how"] == "checksum" for t in report["tensors"])
 
 
+def test_diff_says_what_it_trusted_and_verify_reads_a_damaged_copy(tmp_path, monkeypatch):
+    import shutil
+
+    from shardkit import knobs
+
+    monkeypatch.setattr(knobs, "CHECKSUM_BLOCK_BYTES", 4096)  # the damage lies past the header's block
+    save_distributed({"big": torch.randn(8192)}, tmp_path / "orig", 0, 1, None)
+    shutil.copytree(tmp_path / "orig", tmp_path / "copy")
+    data = tmp_path / "copy" / "rank_0.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-2] ^= 0xFF  # damaged after it was saved: its recorded checksums still match the original's
+    data.write_bytes(bytes(raw))
+    code, out, _ = in_process("diff", tmp_path / "orig", tmp_path / "copy")
+    assert code == 0 and "from recorded checksums, bytes not read: --verify reads them" in out
+    code, out, err = in_process("diff", tmp_path / "orig", tmp_path / "copy", "--verify")
+    assert code == 2 and "rank_0.safetensors" in err and "checksum" in err
+
+
+def test_diff_of_fp8_nan_and_swapped_dtypes(tmp_path):
+    from shardkit.offline import diff_checkpoints
+    from shardkit.hf import save_checkpoint
+
+    f8 = torch.tensor([1.0, 2.0, 448.0]).to(torch.float8_e4m3fn)
+    save_checkpoint(str(tmp_path / "a"), {"f8": f8, "i": torch.tensor([1, 2, 3]), "n": torch.tensor([float("nan"), -0.0])},
+                    safetensors=True)
+    save_checkpoint(str(tmp_path / "b"), {"f8": torch.tensor([1.0, 2.0, 4.0]).to(torch.float8_e4m3fn),
+                                          "i": torch.tensor([1.9, 2.9, 3.9]), "n": torch.tensor([float("nan"), 0.0])},
+                    safetensors=True)
+    ab = {t.name: t for t in diff_checkpoints(str(tmp_path / "a"), str(tmp_path / "b")).tensors}
+    ba = {t.name: t for t in diff_checkpoints(str(tmp_path / "b"), str(tmp_path / "a")).tensors}
+    assert ab["f8"].status == "different" and ab["f8"].max_abs == 444.0
+    assert ab["n"].status == "identical"  # NaN where the other has NaN, -0.0 equal to 0.0
+    assert ab["i"].status == ba["i"].status == "dtype" and ab["i"].max_abs == pytest.approx(ba["i"].max_abs)
+    assert ab["i"].max_abs == pytest.approx(0.9)
+
+
 def test_diff_changed_reshaped_redtyped(ckpt, tmp_path):
     state = training_state()
     state["model"]["b"] = state["model"]["b"] + 0.5

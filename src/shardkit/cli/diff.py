@@ -2,9 +2,10 @@
 
 Lists tensors only in A or only in B, shape and dtype changes, plain values
 that differ, and for every common tensor whether it is identical: from the
-checksums without reading where both carry comparable ones (two shardkit
-distributed checkpoints), else by reading both, one tensor at a time, with
-the largest absolute and relative (max|a-b| / max|a|) difference.
+recorded checksums without reading where both carry comparable ones (two
+shardkit distributed checkpoints; --verify reads and checks the bytes
+instead, as validate does), else by reading both, one tensor at a time,
+with the largest absolute and relative (max|a-b| / max|a|) difference.
 Exit codes: 0 identical, 1 they differ, 2 bad input.
 
 Example: shardkit diff ckpt/step-100 ckpt/step-200 --json
@@ -26,6 +27,8 @@ def register(sub) -> None:
     p.add_argument("b", help="another checkpoint directory")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--all", action="store_true", help="also list identical tensors")
+    p.add_argument("--verify", action="store_true",
+                   help="read and check every common tensor's bytes, even where the recorded checksums match")
     add_common(p)
     p.set_defaults(run=guarded("diff", run))
 
@@ -41,7 +44,7 @@ def run(args) -> int:
     with open_source(args.a) as a:
         total = sum(i.nbytes for i in a.tensors().values())
     with progress_bar(args, total, "diff") as update:
-        report = diff_checkpoints(args.a, args.b, progress=update)
+        report = diff_checkpoints(args.a, args.b, progress=update, verify=args.verify)
     if args.json:
         print(json.dumps(report.to_json(), indent=2, default=str))
         return 0 if report.identical else 1
@@ -59,11 +62,11 @@ def run(args) -> int:
         elif t.status == "different":
             print(f"  ~ {t.name}  values differ: max abs diff {_fmt(t.max_abs)}, max rel {_fmt(t.max_rel)}")
         elif args.all:
-            print(f"  = {t.name}  identical ({t.how})")
+            print(f"  = {t.name}  identical ({'recorded checksums' if t.how == 'checksum' else t.how})")
     for name, (va, vb) in report.values.items():
         print(f"  ~ {name}  value {json.dumps(va, default=str)[:80]} -> {json.dumps(vb, default=str)[:80]}")
     by_checksum = sum(1 for t in same if t.how == "checksum")
     verdict = "identical" if report.identical else "differ"
-    print(f"{verdict}: {len(same)} of {len(report.tensors)} common tensors identical ({by_checksum} from checksums), "
-          f"{len(report.only_a)} only in A, {len(report.only_b)} only in B")
+    print(f"{verdict}: {len(same)} of {len(report.tensors)} common tensors identical ({by_checksum} from recorded "
+          f"checksums, bytes not read: --verify reads them), {len(report.only_a)} only in A, {len(report.only_b)} only in B")
     return 0 if report.identical else 1
