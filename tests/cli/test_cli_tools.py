@@ -167,6 +167,36 @@ def _dcp_save_one(path):
     return state
 
 
+def _flip_in_dcp_record(path, name):
+    """Flip one byte inside the stored bytes of ``name``'s first chunk (the tensor data, not the zip framing)."""
+    from shardkit.sources.dcp_record import tensor_data_span
+
+    with DcpCheckpoint(str(path)) as ck:
+        chunk = ck.tensors[name].chunks[0]
+        with open(path / chunk.file_name, "rb") as f:
+            f.seek(chunk.offset)
+            record = f.read(chunk.length)
+        import io
+
+        start, length, _ = tensor_data_span(io.BytesIO(record), ck.tensors[name].dtype, chunk.box.sizes)
+    with open(path / chunk.file_name, "r+b") as f:
+        f.seek(chunk.offset + start + length // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_flipped_byte_in_a_dcp_record_is_caught_by_its_crc(tmp_path):
+    _dcp_save_one(tmp_path / "dcp")
+    _flip_in_dcp_record(tmp_path / "dcp", "model.w")
+    code, out, err = in_process("validate", tmp_path / "dcp")
+    assert code == 1 and "CRC-32" in out + err
+    code, _, err = in_process("convert", tmp_path / "dcp", tmp_path / "dist", "--to", "distributed")
+    assert code == 2 and "CRC-32" in err and not (tmp_path / "dist").exists()
+    with DcpCheckpoint(str(tmp_path / "dcp")) as ck:
+        assert ck.read("model.b").dtype == torch.bfloat16  # the other records still read
+
+
 def test_dcp_import_of_a_one_process_save_equals_the_state(tmp_path):
     state = _dcp_save_one(tmp_path / "dcp")
     code, out, err = in_process("convert", tmp_path / "dcp", tmp_path / "dist", "--to", "distributed", "--json")

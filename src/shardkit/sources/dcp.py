@@ -32,10 +32,11 @@ from typing import Any, Sequence
 
 import torch
 
-from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
+from shardkit import knobs
+from shardkit.errors import ChecksumError, IncompleteCheckpointError, MetadataError, MissingShardError
 from shardkit.layout import Box, cover_problem, intersect, whole_box
 from shardkit.sources.dcp_metadata import read_dcp_metadata
-from shardkit.sources.dcp_record import tensor_data_span
+from shardkit.sources.dcp_record import check_record_crcs, crc32, tensor_data_span
 from shardkit.storage import Reader, check_relative_name, storage_for
 from shardkit.storage.tensor_io import byte_view
 
@@ -162,8 +163,10 @@ class DcpCheckpoint:
             raise IncompleteCheckpointError(
                 f"{self.directory}/{chunk.file_name} is {reader.size_bytes} bytes, but {what} is recorded at "
                 f"{chunk.offset}..{chunk.offset + chunk.length}: the file is truncated")
+        record = reader.read(chunk.offset, chunk.length)
+        self._check_crcs(record, chunk, what)
         try:
-            return torch.load(_RecordView(reader, chunk.offset, chunk.length), map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, AttributeError) as e:
             raise MetadataError(
                 f"{self.directory}/{chunk.file_name}: {what} was refused by torch.load(weights_only=True): "
@@ -243,7 +246,19 @@ class DcpCheckpoint:
         if span is None or span[0] + span[1] > chunk.length:
             return False
         reader.read_into(chunk.offset + span[0], byte_view(dst))
+        if knobs.DCP_VERIFY_CRC and crc32(byte_view(dst)) != span[2]:
+            raise self._corrupt(chunk, f"tensor {name!r} (chunk at {list(chunk.box.offsets)})")
         return True
+
+    def _check_crcs(self, record: bytes, chunk: DcpChunk, what: str) -> None:
+        if knobs.DCP_VERIFY_CRC and check_record_crcs(record) is not None:
+            raise self._corrupt(chunk, what)
+
+    def _corrupt(self, chunk: DcpChunk, what: str) -> ChecksumError:
+        return ChecksumError(
+            f"{self.directory}/{chunk.file_name}: the bytes of {what} at {chunk.offset}..{chunk.offset + chunk.length} "
+            f"do not match the CRC-32 their record carries; the file is corrupt. Restore it from a copy, "
+            f"or load an earlier checkpoint.")
 
     def read_value(self, name: str) -> Any:
         """The non-tensor value ``name`` (``torch.load(weights_only=True)``; refused if it is not plain data)."""
@@ -251,9 +266,14 @@ class DcpCheckpoint:
             raise MetadataError(f"{self.directory} has no value {name!r}")
         chunk = self.values[name]
         reader = self._reader(chunk.file_name)
-        data = io.BytesIO(reader.read(chunk.offset, chunk.length))
+        if chunk.offset < 0 or chunk.length < 0 or chunk.offset + chunk.length > reader.size_bytes:
+            raise IncompleteCheckpointError(
+                f"{self.directory}/{chunk.file_name} is {reader.size_bytes} bytes, but value {name!r} is recorded at "
+                f"{chunk.offset}..{chunk.offset + chunk.length}: the file is truncated")
+        record = reader.read(chunk.offset, chunk.length)
+        self._check_crcs(record, chunk, f"value {name!r}")
         try:
-            return torch.load(data, map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as e:
             raise MetadataError(f"{self.directory}: value {name!r} was refused by torch.load(weights_only=True) "
                                 f"({type(e).__name__}: {str(e)[:200]})") from e
