@@ -197,6 +197,24 @@ def test_a_flipped_byte_in_a_dcp_record_is_caught_by_its_crc(tmp_path):
         assert ck.read("model.b").dtype == torch.bfloat16  # the other records still read
 
 
+def test_dcp_values_keep_tuples_and_a_damaged_value_is_an_error_not_a_gap(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({**dcp_state(), "betas": (0.9, 0.999)}, checkpoint_id=str(tmp_path / "a"), no_dist=True)
+    dcp.save({**dcp_state(), "betas": (0.5, 0.5)}, checkpoint_id=str(tmp_path / "b"), no_dist=True)
+    with open_source(str(tmp_path / "a")) as src:
+        assert list(src.objects()["betas"]) == [0.9, 0.999]
+    code, out, _ = in_process("diff", tmp_path / "a", tmp_path / "b")
+    assert code == 1 and "betas" in out
+    with DcpCheckpoint(str(tmp_path / "a")) as ck:
+        chunk = ck.values["betas"]
+    with open(tmp_path / "a" / chunk.file_name, "r+b") as f:  # damage the value's record
+        f.seek(chunk.offset + chunk.length - 30)
+        f.write(b"\xff" * 8)
+    code, _, err = in_process("convert", tmp_path / "a", tmp_path / "dist", "--to", "distributed")
+    assert code == 2 and "betas" in err and not (tmp_path / "dist").exists()
+
+
 def test_dcp_import_of_a_one_process_save_equals_the_state(tmp_path):
     state = _dcp_save_one(tmp_path / "dcp")
     code, out, err = in_process("convert", tmp_path / "dcp", tmp_path / "dist", "--to", "distributed", "--json")

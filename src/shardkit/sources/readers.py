@@ -187,14 +187,15 @@ class DcpSource(CheckpointSource):
         self.checkpoint.read_into(name, out, offsets)
 
     def objects(self) -> dict[str, Any]:
+        """The DCP's plain values (numbers, strings, and lists, tuples and string-keyed dicts of them).
+
+        A damaged value raises (it is part of the checkpoint); one that is not
+        plain data (e.g. a pickled object) is left out, with a log line.
+        """
         out = {}
         for name in self.checkpoint.values:
-            try:
-                value = self.checkpoint.read_value(name)
-            except CheckpointError as e:
-                log.warning("skipping DCP value %s: %s", name, e)
-                continue
-            if value is None or isinstance(value, (bool, int, float, str)):
+            value = self.checkpoint.read_value(name)
+            if _plain(value):
                 out[name] = value
             else:
                 log.info("skipping DCP value %s (a %s, not a plain value)", name, type(value).__name__)
@@ -202,3 +203,16 @@ class DcpSource(CheckpointSource):
 
     def close(self) -> None:
         self.checkpoint.close()
+
+
+def _plain(value, depth: int = 0) -> bool:
+    """None, a bool, int, float or str, or a list, tuple or str-keyed dict of those (nested < 32 deep)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if depth >= 32:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
