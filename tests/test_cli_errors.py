@@ -151,6 +151,20 @@ def _check_case(run, d, inspect_code, validate_code):
         _assert_one_line_error(proc, validate_code, "validate")
 
 
+@pytest.mark.parametrize("damage", ["missing", "short"])
+def test_inspect_of_a_checkpoint_missing_a_rank_file_says_so_and_exits_1(tmp_path, damage):
+    from shardkit.checkpoint import save_distributed
+
+    for rank in (1, 0):
+        save_distributed({"w": torch.arange(4.0) + rank}, str(tmp_path), rank, 2, None)
+    data = tmp_path / "rank_1.safetensors"
+    data.unlink() if damage == "missing" else data.write_bytes(data.read_bytes()[:-4])
+    proc = _in_process("inspect", tmp_path)
+    assert proc.returncode == 1 and "NOT COMPLETE" in proc.stdout and "rank_1" in proc.stdout, proc.stdout
+    proc = _in_process("inspect", tmp_path, "--json")
+    assert proc.returncode == 1 and any("rank_1" in p for p in json.loads(proc.stdout)["problems"])
+
+
 def test_inspect_and_validate_work_on_hugging_face_checkpoints(tmp_path):
     d = _hf(tmp_path / "hf")
     proc = _cli("inspect", d, "--json")

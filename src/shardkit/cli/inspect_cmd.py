@@ -6,8 +6,10 @@ data files and their sizes, the plain values and user metadata. For a Hugging
 Face checkpoint (``model.safetensors[.index.json]``, ``pytorch_model.bin[.index.json]``):
 every tensor's dtype, shape and file (from the safetensors headers), the files
 and the tied names. ``--json`` prints the same as JSON. Reads only manifests,
-indexes and headers; never the tensor bytes. Exit code 1 for a damaged or
-incomplete checkpoint, 2 when DIR is missing or not a checkpoint.
+indexes and headers; never the tensor bytes (``shardkit validate`` checks
+those). Exit code 1 for a distributed checkpoint with a file missing, of the
+wrong size or with a bad header (listed under the summary), 2 when DIR is
+missing or not a checkpoint.
 """
 
 from __future__ import annotations
@@ -82,11 +84,13 @@ def _run_dcp(args) -> int:
 
 
 def _run_distributed(args) -> int:
-    from shardkit.checkpoint import read_metadata
+    from shardkit.checkpoint import read_metadata, validate_distributed
     from shardkit.hf.untrusted import hostile_input
 
     with hostile_input(args.path, fix="the checkpoint is damaged; restore it or use an earlier one"):
         m = read_metadata(args.path)
+    # metadata, files, sizes and headers; not the tensor bytes (validate reads those)
+    problems = validate_distributed(args.path, hash_bytes=False).problems
     rows = [_row(name, saved) for name, saved in sorted(m.tensors.items())]
     summary = {
         "path": args.path,
@@ -96,10 +100,11 @@ def _run_distributed(args) -> int:
         "files": {name: rec.bytes for name, rec in sorted(m.files.items())},
         "objects": m.objects,
         "user_metadata": m.user_metadata,
+        "problems": problems,
     }
     if args.json:
         print(json.dumps(summary, indent=2, ensure_ascii=False))
-        return 0
+        return 1 if problems else 0
     version = "seed format (ferrotorch 0.4)" if m.format_version is None else f"format v{m.format_version}"
     total = sum(r["bytes"] or 0 for r in rows)
     print(f"{args.path}: distributed checkpoint, {version}, saved by {m.num_ranks} rank(s)")
@@ -116,6 +121,11 @@ def _run_distributed(args) -> int:
             print(f"{title}:")
             for line in summarise_values(values):
                 print(f"  {line}")
+    if problems:
+        print(f"NOT COMPLETE: {len(problems)} problem(s) (shardkit validate checks the bytes too):")
+        for problem in problems[:MAX_VALUES_SHOWN]:
+            print(f"  {problem}")
+        return 1
     return 0
 
 
