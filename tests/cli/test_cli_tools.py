@@ -103,6 +103,19 @@ def test_reshard_killed_midway_leaves_no_destination_that_validates(ckpt, tmp_pa
     assert validate_distributed(str(dst)).ok
 
 
+def test_reshard_to_the_same_world_size_evens_out_an_uneven_split(tmp_path):
+    from shardkit.checkpoint import ShardMetadata, TensorShardSpec
+
+    w = torch.arange(20.0).reshape(5, 4)
+    spec = ShardMetadata(2, {"w": TensorShardSpec((5, 4), 0, (4, 1))})
+    for rank, rows in ((1, w[4:]), (0, w[:4])):
+        save_distributed({"w": rows}, tmp_path / "uneven", rank, 2, spec)
+    code, _, err = in_process("reshard", tmp_path / "uneven", tmp_path / "even", "--world-size", "2")
+    assert code == 0, err
+    assert read_metadata(str(tmp_path / "even")).tensors["w"].spec.shard_sizes == (3, 2)
+    assert load_consolidated(str(tmp_path / "even"))["w"].equal(w)
+
+
 # -- convert --------------------------------------------------------------------------------------
 
 def test_convert_to_hf_exports_the_model_subtree(ckpt, tmp_path):

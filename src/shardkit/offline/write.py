@@ -117,9 +117,8 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
 
     >>> reshard_checkpoint("ckpt/step-100", "ckpt/step-100-ws3", world_size=3)
     """
-    from shardkit.checkpoint.plan import wanted_box
     from shardkit.checkpoint.spec import TensorShardSpec
-    from shardkit.layout import compute_shard_sizes
+    from shardkit.layout import compute_shard_sizes, shard_box, whole_box
     from shardkit.sources import open_source
 
     if not isinstance(world_size, int) or world_size < 1:
@@ -133,7 +132,9 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
             if spec.shard_dim is not None:
                 spec = TensorShardSpec(spec.full_shape, spec.shard_dim,
                                        tuple(compute_shard_sizes(spec.full_shape[spec.shard_dim], world_size)))
-            box_for = (lambda r, s=saved: tuple(wanted_box(s, m.num_ranks, r, world_size)))
+            # the boxes of the spec written (an uneven saved split is made even, whatever the world size)
+            box_for = (lambda r, sp=spec: tuple(whole_box(sp.full_shape) if sp.shard_dim is None else
+                                                shard_box(sp.full_shape, sp.shard_dim, sp.shard_sizes, r)))
             entries[name] = (infos[name].dtype, spec, box_for)
         log.info("resharding %s (%d ranks) -> %s (%d ranks), %d tensors", src, m.num_ranks, dst, world_size,
                  len(entries))
