@@ -221,6 +221,18 @@ def test_seed_format_dtype_comes_from_headers(tmp_path):
         load_distributed(tmp_path, 0, 1, out={"v": torch.zeros(3, 4)})
 
 
+def test_seed_format_rank_files_that_disagree_on_dtype_do_not_validate(tmp_path):
+    from shardkit.checkpoint import validate_distributed
+
+    v = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    (tmp_path / "metadata.json").write_text(json.dumps(
+        {"num_ranks": 2, "tensor_specs": {"v": {"full_shape": [3, 4], "shard_dim": 1, "shard_sizes": [2, 2]}}}))
+    save_file({"v": v[:, :2].float().contiguous()}, str(tmp_path / "rank_0.safetensors"))
+    save_file({"v": v[:, 2:].contiguous()}, str(tmp_path / "rank_1.safetensors"))
+    report = validate_distributed(tmp_path)
+    assert not report.ok and "rank_1.safetensors: tensor 'v' is F64, but rank_0.safetensors holds it as F32" in report.problems
+
+
 def test_out_must_be_a_dict(tmp_path):
     save_full({"w": W}, tmp_path, 1, {})
     with pytest.raises(TypeError, match="out must be a dict"):

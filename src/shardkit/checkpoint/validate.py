@@ -82,13 +82,14 @@ def validate_distributed(dir, *, hash_bytes: bool = True, progress=None) -> Vali
     chunks = chunks_by_file(m.tensors, present)
     total_bytes = sum(r.bytes for r in records.values())
     missing = []
+    dtypes: dict[str, tuple[str, str]] = {}  # tensor -> (dtype, file) first seen: files must agree
     for rank in range(m.num_ranks):
         name = data_file_name(rank)
         if name not in present if present is not None else not storage.exists(storage.join(directory, name)):
             missing.append(rank)
             continue
         _check_file(storage, directory, m, rank, records.get(name), chunks.get(name, []), report.problems,
-                    hash_bytes)
+                    hash_bytes, dtypes)
         if progress is not None and name in records:
             progress(records[name].bytes, total_bytes)
     report.problems += [f"{data_file_name(r)} is missing (rank {r}'s data file)" for r in missing[:_LISTED]]
@@ -110,7 +111,8 @@ def _present_names(storage, directory: str) -> set[str] | None:
 
 
 def _check_file(storage, directory: str, m: Manifest, rank: int, record: FileRecord | None,
-                chunks: list[tuple[str, Box]], problems: list[str], hash_bytes: bool = True) -> None:
+                chunks: list[tuple[str, Box]], problems: list[str], hash_bytes: bool = True,
+                dtypes: dict | None = None) -> None:
     name = data_file_name(rank)
     path = storage.join(directory, name)
     try:
@@ -120,7 +122,7 @@ def _check_file(storage, directory: str, m: Manifest, rank: int, record: FileRec
             elif record is not None and reader.size_bytes != record.bytes:
                 problems.append(f"{name} is {reader.size_bytes} bytes, the manifest records {record.bytes}")
             header = read_header(reader)
-            _check_header(name, rank, header, m, chunks, problems)
+            _check_header(name, rank, header, m, chunks, problems, {} if dtypes is None else dtypes)
     except (CheckpointError, OSError, EOFError) as e:
         problems.append(f"{name}: {e}")
 
@@ -145,7 +147,7 @@ def _check_bytes(reader: Reader, name: str, record: FileRecord, problems: list[s
 
 
 def _check_header(name: str, rank: int, header: SafetensorsHeader, m: Manifest,
-                  chunks: list[tuple[str, Box]], problems: list[str]) -> None:
+                  chunks: list[tuple[str, Box]], problems: list[str], dtypes: dict) -> None:
     for tensor_name, chunk in chunks:
         saved = m.tensors[tensor_name]
         entry = header.tensors.get(tensor_name)
@@ -161,3 +163,6 @@ def _check_header(name: str, rank: int, header: SafetensorsHeader, m: Manifest,
                             f"records {byte_range[0]}..{byte_range[1]}")
         if saved.dtype is not None and entry.dtype != saved.dtype:
             problems.append(f"{name}: tensor {tensor_name!r} is {entry.dtype}, metadata.json says {saved.dtype}")
+        first = dtypes.setdefault(tensor_name, (entry.dtype, name))  # seed format: no dtype in metadata.json
+        if saved.dtype is None and first[0] != entry.dtype:
+            problems.append(f"{name}: tensor {tensor_name!r} is {entry.dtype}, but {first[1]} holds it as {first[0]}")
