@@ -58,7 +58,7 @@ def test_distributed_to_hf(tmp_path, safetensors):
 
 
 def test_a_damaged_source_leaves_the_hf_checkpoint_already_there_untouched(tmp_path):
-    from shardkit.errors import IncompleteCheckpointError
+    from shardkit.errors import ChecksumError, IncompleteCheckpointError
 
     full = _full()
     _save_two_ranks(tmp_path / "good", full)
@@ -69,7 +69,7 @@ def test_a_damaged_source_leaves_the_hf_checkpoint_already_there_untouched(tmp_p
     raw = bytearray(data.read_bytes())
     raw[-3] ^= 0xFF  # one flipped byte in the last tensor rank 1 holds
     data.write_bytes(bytes(raw))
-    with pytest.raises(IncompleteCheckpointError, match="Nothing in .* was touched"):
+    with pytest.raises((ChecksumError, IncompleteCheckpointError), match="corrupt|damaged"):
         distributed_to_hf(str(tmp_path / "bad"), str(tmp_path / "hf"))
     assert sorted(os.listdir(tmp_path / "hf")) == before
     out = load_checkpoint(str(tmp_path / "hf"), None)
@@ -185,3 +185,19 @@ def test_hf_to_distributed_takes_each_tensor_from_the_file_the_index_names(tmp_p
     converted = load_distributed(str(tmp_path / "dist"), 0, 1)
     assert torch.equal(converted["w"], w) and torch.equal(converted["v"], v)
     assert torch.equal(load_checkpoint(str(hf), None)["w"], converted["w"])  # both readers agree
+
+
+def test_a_source_damaged_past_its_headers_leaves_the_hf_checkpoint_untouched(tmp_path, monkeypatch):
+    from shardkit.errors import IncompleteCheckpointError
+
+    monkeypatch.setattr(knobs, "CHECKSUM_BLOCK_BYTES", 4096)  # the damage lies in a block no header covers
+    save_distributed({"w": torch.randn(8192)}, str(tmp_path / "good"), 0, 1, None)
+    distributed_to_hf(str(tmp_path / "good"), str(tmp_path / "hf"))
+    save_distributed({"w": torch.randn(8192)}, str(tmp_path / "bad"), 0, 1, None)
+    data = tmp_path / "bad" / "rank_0.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IncompleteCheckpointError, match="Nothing in .* was touched"):
+        distributed_to_hf(str(tmp_path / "bad"), str(tmp_path / "hf"))
+    assert load_checkpoint(str(tmp_path / "hf"), None)["w"].equal(load_distributed(str(tmp_path / "good"), 0, 1)["w"])

@@ -28,7 +28,7 @@ from shardkit.errors import CheckpointError
 from shardkit.layout import Box
 from shardkit.storage import FileRecord, Reader, SafetensorsHeader, new_block_hasher, read_header, storage_for
 
-__all__ = ["ValidationReport", "validate_distributed"]
+__all__ = ["ValidationReport", "validate_distributed", "data_problems"]
 
 
 @dataclass
@@ -125,6 +125,14 @@ def _check_file(storage, directory: str, m: Manifest, rank: int, record: FileRec
             _check_header(name, rank, header, m, chunks, problems, {} if dtypes is None else dtypes)
     except (CheckpointError, OSError, EOFError) as e:
         problems.append(f"{name}: {e}")
+
+
+def data_problems(reader: Reader, name: str, record: FileRecord) -> list[str]:
+    """What is wrong with the bytes of data file ``name`` (open as ``reader``) against its ``record``:
+    its size, then each block's checksum (the first bad block); [] when every byte matches."""
+    problems: list[str] = []
+    _check_bytes(reader, name, record, problems)
+    return problems
 
 
 def _check_bytes(reader: Reader, name: str, record: FileRecord, problems: list[str]) -> None:

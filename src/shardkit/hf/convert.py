@@ -26,6 +26,7 @@ from typing import Dict, Optional
 import torch
 
 from shardkit.checkpoint.read_path import open_checkpoint
+from shardkit.checkpoint.validate import data_problems
 from shardkit.dtypes import from_safetensors_name
 from shardkit.layout import whole_box
 from shardkit.errors import IncompleteCheckpointError, MetadataError, TensorMismatchError
@@ -61,25 +62,19 @@ def distributed_to_hf(
     in the index. With ``safetensors=False`` each ``.bin`` shard is built in
     memory (a shard, not the model).
 
-    The source is validated whole (every byte against its checksum) before
-    an HF checkpoint already in ``hf_dir`` is replaced: a damaged or
-    incomplete source raises ``IncompleteCheckpointError`` and leaves
-    ``hf_dir`` as it was. That is one extra read of the source.
+    Every byte of the source is hashed against its checksums before an HF
+    checkpoint already in ``hf_dir`` is replaced: a damaged source raises
+    ``IncompleteCheckpointError`` (a missing file ``MissingShardError``) and
+    leaves ``hf_dir`` as it was. That is one extra read of the source.
     """
-    from shardkit.checkpoint import validate_distributed
-
     store, root = storage_for(dist_dir)
     not_files = non_regular_problems(store, root)
     if not_files:
         raise MetadataError(f"{dist_dir}: {not_files[0]}")
-    report = validate_distributed(dist_dir)
-    if not report.ok:
-        raise IncompleteCheckpointError(f"{dist_dir} is damaged or incomplete: {report.problems[0]}"
-                            + (f" (and {len(report.problems) - 1} more problems)" if len(report.problems) > 1 else "")
-                            + f". Nothing in {hf_dir} was touched; convert an earlier checkpoint.")
     with hostile_input(dist_dir, fix="the distributed checkpoint is damaged; convert an earlier one"):
         source = open_checkpoint(dist_dir)
     with source:  # one manifest read, each data file opened once for the whole conversion
+        _refuse_damaged(source, dist_dir, hf_dir)
         lazy: Dict[str, LazyTensor] = {}
         for name, saved in source.manifest.tensors.items():
             shape = tuple(saved.spec.full_shape)
@@ -96,6 +91,16 @@ def distributed_to_hf(
             for file_name, names in files_to_names(weight_map, weight_map).items():
                 _write_converted(store, store.join(root, file_name), {n: lazy[n] for n in names}, safetensors)
             save_shard_index({"metadata": meta, "weight_map": weight_map}, hf_dir, index_file_name(safetensors))
+
+
+def _refuse_damaged(source, dist_dir: str, hf_dir: str) -> None:
+    """Hash every data file of the open ``source`` against its record before ``hf_dir`` is touched."""
+    files = source.files()
+    for name, record in source.records.items():
+        problems = data_problems(files.get(name)[0], name, record)
+        if problems:
+            raise IncompleteCheckpointError(f"{dist_dir} is damaged: {problems[0]}. Nothing in {hf_dir} was "
+                                            f"touched; convert an earlier checkpoint.")
 
 
 def _write_converted(store, path: str, tensors: Dict[str, LazyTensor], safetensors: bool) -> None:
