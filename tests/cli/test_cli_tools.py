@@ -228,6 +228,34 @@ def test_dcp_values_keep_tuples_and_a_damaged_value_is_an_error_not_a_gap(tmp_pa
     assert code == 2 and "betas" in err and not (tmp_path / "dist").exists()
 
 
+def _set(attr, value):
+    return lambda md: [setattr(c, attr, value) for c in md.state_dict_metadata["model.w"].chunks]
+
+
+DCP_MALFORMED = {
+    "chunk offsets None": _set("offsets", None),
+    "chunk sizes a string": _set("sizes", "12"),
+    "dtype a string": lambda md: setattr(md.state_dict_metadata["model.w"].properties, "dtype", "float32"),
+    "properties None": lambda md: setattr(md.state_dict_metadata["model.w"], "properties", None),
+    "size negative": lambda md: setattr(md.state_dict_metadata["model.w"], "size", [-1, 6]),
+    "storage offset None": lambda md: [setattr(v, "offset", None) for v in md.storage_data.values()],
+}
+
+
+@pytest.mark.parametrize("damage", list(DCP_MALFORMED))
+def test_a_malformed_dcp_metadata_is_a_typed_error_in_every_tool(tmp_path, damage):
+    _dcp_save_one(tmp_path / "dcp")
+    path = tmp_path / "dcp" / ".metadata"
+    with open(path, "rb") as f:
+        md = pickle.load(f)  # the test's own file: trusted
+    DCP_MALFORMED[damage](md)
+    with open(path, "wb") as f:
+        pickle.dump(md, f)
+    for command in ("inspect", "validate"):
+        code, out, err = in_process(command, tmp_path / "dcp")
+        assert code in (1, 2) and "internal error" not in err, (command, code, out, err)
+
+
 def test_dcp_import_of_a_one_process_save_equals_the_state(tmp_path):
     state = _dcp_save_one(tmp_path / "dcp")
     code, out, err = in_process("convert", tmp_path / "dcp", tmp_path / "dist", "--to", "distributed", "--json")

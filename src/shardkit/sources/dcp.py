@@ -119,9 +119,16 @@ class DcpCheckpoint:
                  for k, v in (self.metadata.storage_data or {}).items()}
         for fqn, entry in self.metadata.state_dict_metadata.items():
             if isinstance(entry, TensorStorageMetadata):
-                chunks = tuple(self._chunk(fqn, Box(tuple(c.offsets), tuple(c.sizes)), where) for c in entry.chunks)
-                self._check_cover(fqn, tuple(entry.size), chunks)
-                self.tensors[fqn] = DcpTensor(entry.properties.dtype, tuple(entry.size), chunks)
+                what = f"{self.directory}/.metadata: tensor {fqn!r}"
+                dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+                if not isinstance(dtype, torch.dtype):
+                    raise MetadataError(f"{what} has dtype {dtype!r}, not a torch dtype; the metadata is corrupt")
+                size = _ints(entry.size, f"{what}: size")
+                chunks = tuple(self._chunk(fqn, Box(_ints(c.offsets, f"{what}: a chunk's offsets"),
+                                                    _ints(c.sizes, f"{what}: a chunk's sizes")), where)
+                               for c in _items(entry.chunks, f"{what}: chunks"))
+                self._check_cover(fqn, size, chunks)
+                self.tensors[fqn] = DcpTensor(dtype, size, chunks)
             elif isinstance(entry, BytesStorageMetadata):
                 self.values[fqn] = self._chunk(fqn, None, where)
             else:
@@ -143,8 +150,11 @@ class DcpCheckpoint:
             raise MetadataError(f"{self.directory}: {fqn!r} is stored through DCP extensions "
                                 f"{list(info.transform_descriptors)}; shardkit reads only untransformed DCP "
                                 f"checkpoints (save without storage extensions)")
-        file_name = check_relative_name(info.relative_path, (".distcp",), source=f"{self.directory}/.metadata")
-        return DcpChunk(box, file_name, int(info.offset), int(info.length))
+        file_name = check_relative_name(getattr(info, "relative_path", None), (".distcp",),
+                                        source=f"{self.directory}/.metadata")
+        offset, length = _ints((getattr(info, "offset", None), getattr(info, "length", None)),
+                               f"{self.directory}/.metadata: {fqn!r}'s offset and length")
+        return DcpChunk(box, file_name, offset, length)
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -294,6 +304,20 @@ class DcpCheckpoint:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _items(value, what: str) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise MetadataError(f"{what} is {type(value).__name__}, not a list; the metadata is corrupt")
+    return list(value)
+
+
+def _ints(value, what: str) -> tuple[int, ...]:
+    """``value`` as a tuple of ints >= 0 (a list, tuple or torch.Size of them), else MetadataError."""
+    items = _items(value, what) if not isinstance(value, torch.Size) else list(value)
+    if not all(type(v) is int and v >= 0 for v in items):
+        raise MetadataError(f"{what} is {str(list(items))[:100]}, not integers >= 0; the metadata is corrupt")
+    return tuple(items)
 
 
 def _region(t: torch.Tensor, box: Box, part: Box) -> torch.Tensor:
