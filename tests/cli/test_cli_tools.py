@@ -116,6 +116,27 @@ def test_reshard_to_the_same_world_size_evens_out_an_uneven_split(tmp_path):
     assert load_consolidated(str(tmp_path / "even"))["w"].equal(w)
 
 
+def _save_dtensor_rank(rank, world_size, path):
+    """shardkit.checkpoint.save of a DTensor sharded on dim 1 over 3 Gloo ranks (format 2: chunks)."""
+    import shardkit.checkpoint as ckpt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    ckpt.save({"w": distribute_tensor(torch.arange(24.0).reshape(2, 12), mesh, [Shard(1)]), "b": torch.ones(3)}, path)
+    return True
+
+
+def test_reshard_of_a_dtensor_checkpoint_re_splits_its_chunks(tmp_path):
+    run_ranks(_save_dtensor_rank, 3, tmp_path, str(tmp_path / "v2"))
+    assert len(read_metadata(str(tmp_path / "v2")).tensors["w"].chunks) == 3
+    code, _, err = in_process("reshard", tmp_path / "v2", tmp_path / "ws2", "--world-size", "2")
+    assert code == 0, err
+    spec = read_metadata(str(tmp_path / "ws2")).tensors["w"].spec
+    assert (spec.shard_dim, spec.shard_sizes) == (1, (6, 6))  # split again along dim 1, not written whole
+    assert load_consolidated(str(tmp_path / "ws2"))["w"].equal(torch.arange(24.0).reshape(2, 12))
+
+
 # -- convert --------------------------------------------------------------------------------------
 
 def test_convert_to_hf_exports_the_model_subtree(ckpt, tmp_path):

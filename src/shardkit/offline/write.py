@@ -108,7 +108,9 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
     """Write the distributed checkpoint ``src`` as saved by ``world_size`` ranks, into the new directory ``dst``.
 
     Sharded tensors are re-split along the same dimension
-    (``compute_shard_sizes``), replicated ones stay replicated, plain values
+    (``compute_shard_sizes``; a DTensor/FSDP2 tensor saved in chunks along
+    one dimension along that one; chunks along several dimensions are
+    written whole, with a log line), replicated ones stay replicated, plain values
     and user metadata are kept. Each new slice is read (only the overlapping
     bytes, every checksum block verified) into one of two reused buffers
     while the previous one is written, then dropped: memory is about two of
@@ -129,9 +131,12 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
         entries = {}
         for name, saved in m.tensors.items():
             spec = saved.spec
-            if spec.shard_dim is not None:
-                spec = TensorShardSpec(spec.full_shape, spec.shard_dim,
-                                       tuple(compute_shard_sizes(spec.full_shape[spec.shard_dim], world_size)))
+            dim = spec.shard_dim if spec.shard_dim is not None else _chunk_split_dim(saved)
+            if dim is not None:
+                spec = TensorShardSpec(spec.full_shape, dim, tuple(compute_shard_sizes(spec.full_shape[dim], world_size)))
+            elif saved.chunks is not None and len(saved.chunks) > 1:
+                log.warning("%s is split along several dimensions (%d chunks); it is written whole (replicated)",
+                            name, len(saved.chunks))
             # the boxes of the spec written (an uneven saved split is made even, whatever the world size)
             box_for = (lambda r, sp=spec: tuple(whole_box(sp.full_shape) if sp.shard_dim is None else
                                                 shard_box(sp.full_shape, sp.shard_dim, sp.shard_sizes, r)))
@@ -142,6 +147,15 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
             tmp, world_size, entries, lambda n, o, out: source.read_into(n, out, o), m.objects, m.structure,
             m.user_metadata, progress), 
                           _check_distributed)
+
+
+def _chunk_split_dim(saved) -> Optional[int]:
+    """The one dimension the chunks of a chunked (format 2) tensor split, or None (one chunk, or several dims)."""
+    if not saved.chunks or len(saved.chunks) < 2:
+        return None
+    full = saved.spec.full_shape
+    dims = {d for c in saved.chunks for d, (size, whole) in enumerate(zip(c.box.sizes, full)) if size != whole}
+    return dims.pop() if len(dims) == 1 else None
 
 
 #: Top-level names of a training checkpoint's state beside its model (``prefix=None`` leaves them out).
