@@ -169,6 +169,22 @@ def test_convert_to_hf_keeps_a_causal_lm_whole_and_a_prefix_is_a_subtree(tmp_pat
     assert set(load_checkpoint(str(tmp_path / "sub"))) == {"embed", "norm"}  # "model" means "model."
 
 
+def test_convert_to_distributed_keeps_a_distributed_source_s_nesting_and_user_metadata(tmp_path):
+    state = {"model": {"w": torch.randn(3, 2)}, "opt": {"groups": [{"lr": 0.1, "betas": [0.9, 0.99]}]}, "step": 4}
+    save_distributed(state, tmp_path / "src", 0, 1, None, metadata={"run": "exp-7"})
+    code, _, err = in_process("convert", tmp_path / "src", tmp_path / "dst", "--to", "distributed", "-q")
+    assert code == 0, err
+    back = load_consolidated(str(tmp_path / "dst"))
+    assert back["opt"]["groups"][0]["betas"] == [0.9, 0.99] and back["step"] == 4 and back["model"]["w"].equal(state["model"]["w"])
+    assert read_metadata(str(tmp_path / "dst")).user_metadata == {"run": "exp-7"}
+
+
+def test_convert_takes_a_max_shard_size_in_plain_bytes(ckpt, tmp_path):
+    code, _, err = in_process("convert", ckpt, tmp_path / "hf", "--to", "hf", "--max-shard-size", "100", "-q")
+    assert code == 0, err
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+
+
 def test_convert_roundtrip_hf_to_distributed(ckpt, tmp_path):
     assert in_process("convert", ckpt, tmp_path / "hf", "--to", "hf", "--prefix", "", "-q")[0] == 0
     code, _, err = in_process("convert", tmp_path / "hf", tmp_path / "back", "--to", "distributed")

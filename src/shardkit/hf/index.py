@@ -114,12 +114,14 @@ def shard_size_bytes(max_shard_size: Union[int, str]) -> int:
     bits. The number must be an integer. Unlike ``transformers``, a bool, a
     float or ``None`` raises ``MetadataError`` instead of passing through.
 
-    >>> shard_size_bytes("5GB"), shard_size_bytes("2GiB"), shard_size_bytes(1000)
-    (5000000000, 2147483648, 1000)
+    >>> shard_size_bytes("5GB"), shard_size_bytes("2GiB"), shard_size_bytes(1000), shard_size_bytes("1000")
+    (5000000000, 2147483648, 1000, 1000)
     """
     if isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool):
         return max_shard_size
     if isinstance(max_shard_size, str):
+        if max_shard_size.strip().isascii() and max_shard_size.strip().isdigit():  # "1000": bytes (a command line's)
+            return int(max_shard_size)
         upper = max_shard_size.upper()
         for unit, scale in _BINARY_UNITS.items():
             if upper.endswith(unit):

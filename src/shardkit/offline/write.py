@@ -285,7 +285,8 @@ def export_distributed(src: str, dst: str, *, kind: Optional[str] = None, dtype:
 
     Saved as one rank with every tensor replicated (it loads on any world
     size; reshard it for a sharded layout). Plain values the source keeps
-    (DCP's ints, floats, strings) go to ``objects``. Tensor by tensor.
+    (DCP's ints, floats, strings) go to ``objects``; a distributed source's
+    nesting and user metadata are kept. Tensor by tensor.
 
     >>> export_distributed("dcp_ckpt", "ckpt/imported")
     """
@@ -299,7 +300,7 @@ def export_distributed(src: str, dst: str, *, kind: Optional[str] = None, dtype:
             spec = TensorShardSpec(tuple(info.shape), None, ())
             entries[name] = (_out_dtype(info.dtype, dtype), spec, lambda r, s=info.shape: tuple(whole_box(s)))
             fills[name] = _filler(source, name, info.dtype)
-        objects = source.objects()
+        objects, structure, user_metadata = source.objects(), source.structure(), source.user_metadata()
         publish_directory(dst, lambda tmp: _write_distributed(tmp, 1, entries, lambda n, o, out: fills[n](out),
-                                                              objects, None, {}, progress),
+                                                              objects, structure, user_metadata, progress),
                           _check_distributed)

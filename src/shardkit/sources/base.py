@@ -80,6 +80,14 @@ class CheckpointSource:
         """Plain (non-tensor) values by dotted name, where the format keeps them."""
         return {}
 
+    def structure(self) -> Any:
+        """The nesting of the saved state (a shardkit manifest's ``structure``), or None: flat names."""
+        return None
+
+    def user_metadata(self) -> dict[str, Any]:
+        """The user metadata saved with the checkpoint, where the format keeps it."""
+        return {}
+
     def close(self) -> None:
         pass
 

@@ -103,6 +103,12 @@ class DistributedSource(CheckpointSource):
     def objects(self) -> dict[str, Any]:
         return dict(self.manifest.objects)
 
+    def structure(self) -> Any:
+        return self.manifest.structure
+
+    def user_metadata(self) -> dict[str, Any]:
+        return dict(self.manifest.user_metadata)
+
 
 class HFSource(CheckpointSource):
     """A Hugging Face checkpoint directory (safetensors or ``.bin``, one file or an index)."""
