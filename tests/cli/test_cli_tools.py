@@ -452,6 +452,23 @@ def test_diff_across_kinds(ckpt, tmp_path):
     assert code == 0
 
 
+def test_a_directory_with_both_manifests_is_the_same_kind_to_every_tool(ckpt, tmp_path):
+    import shutil
+
+    from shardkit.sources import detect_kind
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(ckpt, mixed)
+    from shardkit.hf import save_checkpoint
+
+    save_checkpoint(str(tmp_path / "hf"), {"x": torch.zeros(2)}, safetensors=True)
+    for name in os.listdir(tmp_path / "hf"):
+        shutil.copy(tmp_path / "hf" / name, mixed / name)
+    assert detect_kind(str(mixed)) == "distributed"
+    code, out, err = in_process("diff", mixed, ckpt)
+    assert code == 0, (out, err)
+
+
 def test_diff_bad_inputs(ckpt, tmp_path):
     assert_one_line_error(*shardkit("diff", ckpt, tmp_path / "missing"))
     (tmp_path / "file").write_text("x")

@@ -102,11 +102,15 @@ def detect_kind(path: str) -> str:
     """``"distributed"``, ``"hf"`` or ``"dcp"`` for the checkpoint in ``path``; raise when it is none of them."""
     from shardkit.hf.directory import get_checkpoint_metadata
     from shardkit.sources.dcp import is_dcp_checkpoint
+    from shardkit.storage import storage_for
 
     if not os.path.exists(path) and "://" not in path:
         raise MissingShardError(f"{path} does not exist")
     if "://" not in path and not os.path.isdir(path):
         raise MetadataError(f"{path} is a file, not a checkpoint directory; pass the directory that holds it")
+    storage, root = storage_for(path)
+    if storage.exists(storage.join(root, "metadata.json")):
+        return "distributed"  # first, as the CLI's checkpoint_kind decides: one answer per directory
     meta = get_checkpoint_metadata(path)
     if meta is not None:
         return "distributed" if meta.distributed else "hf"
