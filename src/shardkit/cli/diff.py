@@ -67,6 +67,8 @@ def run(args) -> int:
         print(f"  ~ {name}  value {json.dumps(va, default=str)[:80]} -> {json.dumps(vb, default=str)[:80]}")
     by_checksum = sum(1 for t in same if t.how == "checksum")
     verdict = "identical" if report.identical else "differ"
-    print(f"{verdict}: {len(same)} of {len(report.tensors)} common tensors identical ({by_checksum} from recorded "
-          f"checksums, bytes not read: --verify reads them), {len(report.only_a)} only in A, {len(report.only_b)} only in B")
+    how = (f"{by_checksum} from recorded checksums, bytes not read: --verify reads them" if by_checksum
+           else "all by reading")
+    print(f"{verdict}: {len(same)} of {len(report.tensors)} common tensors identical ({how}), "
+          f"{len(report.only_a)} only in A, {len(report.only_b)} only in B")
     return 0 if report.identical else 1
