@@ -469,6 +469,14 @@ def test_a_directory_with_both_manifests_is_the_same_kind_to_every_tool(ckpt, tm
     assert code == 0, (out, err)
 
 
+def test_a_dcp_with_a_nan_value_is_identical_to_itself(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({**dcp_state(), "loss": float("nan")}, checkpoint_id=str(tmp_path / "a"), no_dist=True)
+    code, out, err = in_process("diff", tmp_path / "a", tmp_path / "a")
+    assert code == 0, (out, err)
+
+
 def test_diff_bad_inputs(ckpt, tmp_path):
     assert_one_line_error(*shardkit("diff", ckpt, tmp_path / "missing"))
     (tmp_path / "file").write_text("x")
