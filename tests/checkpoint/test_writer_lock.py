@@ -262,11 +262,15 @@ def test_a_failure_after_the_lock_is_taken_releases_it(tmp_path, monkeypatch):
     from shardkit.storage import lock
 
     monkeypatch.setattr(lock, "_still_named", lambda fd, path: (_ for _ in ()).throw(PermissionError(13, "denied")))
-    fds = len(os.listdir("/proc/self/fd"))
+    lock_path = os.path.realpath(tmp_path / lock_file_name())
+
+    def open_on_lock():  # only this file's descriptors: others in the process may come and go meanwhile
+        return sum(1 for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == lock_path)
+
     with pytest.raises(OSError):
         with local_writer_lock(str(tmp_path)):
             pass
-    assert len(os.listdir("/proc/self/fd")) == fds
+    assert open_on_lock() == 0
     monkeypatch.undo()
     with local_writer_lock(str(tmp_path)):  # not left locked
         pass
