@@ -165,6 +165,15 @@ def test_inspect_of_a_checkpoint_missing_a_rank_file_says_so_and_exits_1(tmp_pat
     assert proc.returncode == 1 and any("rank_1" in p for p in json.loads(proc.stdout)["problems"])
 
 
+def test_inspect_of_a_lone_pytorch_model_bin_gives_dtypes_and_sizes(tmp_path):
+    torch.save({"a": torch.zeros(3), "b": torch.ones(2, 2, dtype=torch.bfloat16)}, tmp_path / "pytorch_model.bin")
+    proc = _in_process("inspect", tmp_path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: (r["dtype"], r["bytes"]) for r in json.loads(proc.stdout)["tensors"]}
+    assert rows == {"a": ("F32", 12), "b": ("BF16", 8)}
+    assert "unknown size" not in _in_process("inspect", tmp_path).stdout
+
+
 def test_inspect_and_validate_work_on_hugging_face_checkpoints(tmp_path):
     d = _hf(tmp_path / "hf")
     proc = _cli("inspect", d, "--json")

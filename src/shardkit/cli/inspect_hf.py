@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from shardkit.dtypes import NAME_TO_DTYPE
+from shardkit.dtypes import NAME_TO_DTYPE, to_safetensors_name
 
 __all__ = ["hf_summary", "print_hf_summary"]
 
@@ -39,7 +39,7 @@ def hf_summary(path: str) -> dict:
                 rows.append(_row(name, e.dtype, list(e.shape), file_name))
         elif index is None:
             for name, t in read_bin_shard(store, file_path).items():
-                rows.append(_row(name, str(t.dtype).replace("torch.", ""), list(t.shape), file_name))
+                rows.append(_row(name, to_safetensors_name(t.dtype), list(t.shape), file_name))  # "F32", as headers
         else:
             rows += [_row(n, "?", None, f) for n, f in index["weight_map"].items() if f == file_name]
     extra = {k: v for k, v in (index or {}).get("metadata", {}).items() if k not in ("total_size", "param_sharing")}
