@@ -259,18 +259,15 @@ def test_a_file_system_refusing_flock_saves_unlocked_and_keeps_a_lock_file_it_ma
 
 
 def test_a_failure_after_the_lock_is_taken_releases_it(tmp_path, monkeypatch):
+    from fds import open_on
+
     from shardkit.storage import lock
 
     monkeypatch.setattr(lock, "_still_named", lambda fd, path: (_ for _ in ()).throw(PermissionError(13, "denied")))
-    lock_path = os.path.realpath(tmp_path / lock_file_name())
-
-    def open_on_lock():  # only this file's descriptors: others in the process may come and go meanwhile
-        return sum(1 for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == lock_path)
-
     with pytest.raises(OSError):
         with local_writer_lock(str(tmp_path)):
             pass
-    assert open_on_lock() == 0
+    assert open_on(tmp_path / lock_file_name()) == 0
     monkeypatch.undo()
     with local_writer_lock(str(tmp_path)):  # not left locked
         pass

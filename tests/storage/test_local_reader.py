@@ -73,24 +73,22 @@ def test_a_file_replaced_after_open_is_still_read_whole(tmp_path, mapped):
 def test_a_reader_dropped_without_close_gives_its_descriptor_back(tmp_path, mapped):
     import gc
 
-    path, data = _file(tmp_path, 5000)
+    from fds import open_on
 
-    def open_on_file():  # this process's descriptors open on the file (others may come and go meanwhile)
-        return sum(1 for fd in os.listdir("/proc/self/fd")
-                   if os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(path))
+    path, data = _file(tmp_path, 5000)
 
     for _ in range(20):
         reader = LocalStorage().open_reader(path)
         out = bytearray(5000)
         reader.read_into(0, memoryview(out))
-        assert bytes(out) == data and open_on_file() >= 1
+        assert bytes(out) == data and open_on(path) >= 1
         del reader
     gc.collect()
-    assert open_on_file() == 0
+    assert open_on(path) == 0
     reader = LocalStorage().open_reader(path)
     reader.close()
     reader.close()  # twice: still fine, and the collector closes nothing more
-    assert open_on_file() == 0
+    assert open_on(path) == 0
     del reader
     gc.collect()
 

@@ -38,6 +38,7 @@ from shardkit.layout import Box, cover_problem, intersect, whole_box
 from shardkit.sources.dcp_metadata import read_dcp_metadata
 from shardkit.sources.dcp_record import check_record_crcs, crc32, tensor_data_span
 from shardkit.storage import Reader, check_relative_name, storage_for
+from shardkit.storage.json_io import expect_int
 from shardkit.storage.tensor_io import byte_view
 
 __all__ = ["DcpChunk", "DcpTensor", "DcpCheckpoint", "is_dcp_checkpoint"]
@@ -313,11 +314,9 @@ def _items(value, what: str) -> list:
 
 
 def _ints(value, what: str) -> tuple[int, ...]:
-    """``value`` as a tuple of ints >= 0 (a list, tuple or torch.Size of them), else MetadataError."""
+    """``value`` (a list, tuple or torch.Size) as a tuple of ints >= 0 (``expect_int`` each), else MetadataError."""
     items = _items(value, what) if not isinstance(value, torch.Size) else list(value)
-    if not all(type(v) is int and v >= 0 for v in items):
-        raise MetadataError(f"{what} is {str(list(items))[:100]}, not integers >= 0; the metadata is corrupt")
-    return tuple(items)
+    return tuple(expect_int(v, what, high=2**63 - 1) for v in items)
 
 
 def _region(t: torch.Tensor, box: Box, part: Box) -> torch.Tensor:
