@@ -25,6 +25,7 @@ from torch.nn import Module
 
 from shardkit import knobs
 from shardkit.errors import MetadataError
+from shardkit.hf.save_checks import json_problem
 from shardkit.hf.sharing import alias_to_source, find_shared_groups
 from shardkit.hf.untrusted import check_limits, read_json_file
 from shardkit.storage import check_relative_name, storage_for
@@ -43,6 +44,8 @@ __all__ = [
     "shard_size_bytes",
     "make_shard_index",
     "save_shard_index",
+    "index_json",
+    "write_index_json",
     "load_shard_index",
     "check_index",
     "sharing_of",
@@ -172,6 +175,8 @@ def make_shard_index(
 
         index = make_shard_index([sd_rank0, sd_rank1], safetensors=True)
     """
+    if metadata is not None and not isinstance(metadata, dict):
+        raise MetadataError(f"metadata must be a dict (or None), got {type(metadata).__name__}: {str(metadata)[:80]}")
     max_shard_bytes = shard_size_bytes(max_shard_size)
     sharing = _sharing_for(state_dictionaries, param_sharing_metadata)
     skip = set(alias_to_source(sharing))
@@ -235,12 +240,40 @@ def save_shard_index(shard_index: ShardIndex, output_dir: str, index_name: str, 
     """Write ``shard_index`` as ``output_dir/index_name``, atomically (fsync'd unless ``sync_files=False``).
 
     Write the index only after every shard it names is complete: its
-    appearance is what makes the checkpoint count.
+    appearance is what makes the checkpoint count. An index the loaders
+    would refuse raises ``MetadataError`` (see :func:`index_json`) and
+    writes nothing.
+    """
+    write_index_json(index_json(shard_index, index_name), output_dir, index_name, sync_files=sync_files)
+
+
+def index_json(shard_index: ShardIndex, index_name: str) -> bytes:
+    """The bytes :func:`save_shard_index` writes; ``MetadataError`` for an index the loaders would refuse.
+
+    Refused, naming the metadata key: values strict JSON cannot hold (a numpy
+    scalar, a tensor, NaN, an infinity; see ``save_checks.json_problem``),
+    a malformed index (:func:`check_index`), and an index over
+    ``knobs.MAX_INDEX_BYTES``. Call it before touching a directory, so a
+    refused index leaves the previous checkpoint whole. Writes nothing.
     """
     check_index(shard_index, index_name)
+    problem = json_problem(shard_index.get("metadata", {}), "metadata", depth=2)
+    if problem:
+        raise MetadataError(f"the {index_name} to be written cannot be read back: {problem}. Nothing was written.")
+    data = json.dumps(shard_index, indent=2, sort_keys=False, allow_nan=False).encode("utf-8")
+    if len(data) > knobs.MAX_INDEX_BYTES:
+        raise MetadataError(
+            f"the {index_name} to be written is {len(data):,} bytes; the loaders read at most "
+            f"{knobs.MAX_INDEX_BYTES:,} (knobs.MAX_INDEX_BYTES). Keep large values out of the metadata. "
+            f"Nothing was written."
+        )
+    return data
+
+
+def write_index_json(data: bytes, output_dir: str, index_name: str, *, sync_files: bool = True) -> None:
+    """Publish index bytes from :func:`index_json` as ``output_dir/index_name``, atomically."""
     store, root = storage_for(output_dir)
     store.makedirs(root)
-    data = json.dumps(shard_index, indent=2, sort_keys=False).encode("utf-8")
     with store.atomic_writer(store.join(root, index_name), sync_files) as f:
         f.write(data)
 

@@ -35,10 +35,12 @@ from shardkit.hf.index import (
     alias_to_source,
     files_to_names,
     index_file_name,
+    index_json,
     make_shard_index,
-    save_shard_index,
     sharing_of,
+    write_index_json,
 )
+from shardkit.hf.save_checks import RESERVED_TENSOR_NAME, check_savable_tensors
 from shardkit.hf.model_config import model_config_files, write_model_config_files
 from shardkit.storage import write_safetensors
 from shardkit.hf.sharing import create_sharing_metadata
@@ -50,7 +52,12 @@ _SHARD_RE = re.compile(r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|
 
 
 def state_dict_of(module: StateDictLike) -> Dict[str, Tensor]:
-    """``module.state_dict()`` for a module; a checked copy of the mapping for a dict."""
+    """``module.state_dict()`` for a module; a checked copy of the mapping for a dict.
+
+    Refuses (``TensorMismatchError``) entries that are not str -> tensor, and
+    the name ``__metadata__``, which safetensors reserves for its header's
+    metadata. Does not check dtypes or devices (see ``check_savable_tensors``).
+    """
     sd = module.state_dict() if isinstance(module, Module) else dict(module)
     for name, value in sd.items():
         if not isinstance(name, str) or not isinstance(value, Tensor):
@@ -58,6 +65,11 @@ def state_dict_of(module: StateDictLike) -> Dict[str, Tensor]:
                 f"state dict entry {name!r} is a {type(value).__name__}; only str -> torch.Tensor "
                 f"entries can be saved in a Hugging Face checkpoint. Move other values to `metadata`."
             )
+    if RESERVED_TENSOR_NAME in sd:
+        raise TensorMismatchError(
+            f"a tensor is named {RESERVED_TENSOR_NAME!r}, the key a safetensors header reserves for its "
+            f"metadata: the file would not load. Rename the tensor before saving. Nothing was written."
+        )
     return sd
 
 
@@ -92,19 +104,27 @@ def save_checkpoint(
     complete but is not; ``sync_files=False`` skips that, like
     ``save_pretrained`` and ``huggingface_hub`` (and DCP's ``sync_files=False``).
 
-    Raises :class:`~shardkit.errors.CheckpointBusyError`, before touching
-    anything, while another save writes ``output_dir``.
+    Raises, before touching anything in ``output_dir``:
+    :class:`~shardkit.errors.CheckpointBusyError` while another save writes
+    it; :class:`~shardkit.errors.TensorMismatchError` for a tensor the format
+    cannot store (meta device, sparse, a dtype such as complex128 in
+    safetensors) or named ``__metadata__``; :class:`~shardkit.errors.MetadataError`
+    for ``metadata`` the index cannot hold and read back (a numpy scalar,
+    NaN, an infinity).
     """
+    # Everything that can be refused is refused before the lock: the previous checkpoint stays whole.
     sd = state_dict_of(module)
+    check_savable_tensors(sd, safetensors)
     sharing = _sharing(module, include_param_sharing, param_sharing_metadata)
     index = make_shard_index([sd], metadata, safetensors, max_shard_size, sharing)
-    configs = model_config_files(module)  # before any file changes: a config transformers refuses stops the save here
+    index_data = index_json(index, index_file_name(safetensors))
+    configs = model_config_files(module)  # a config transformers refuses stops the save here
     store, root = storage_for(output_dir)
     with store.writer_lock(root, holder="shardkit.hf.save_checkpoint"):
         _remove_previous(store, root)
         save_sharded_checkpoint(output_dir, index, sd, safetensors=safetensors, debug=debug, sync_files=sync_files)
         write_model_config_files(store, root, configs, sync_files)
-        save_shard_index(index, output_dir, index_file_name(safetensors), sync_files=sync_files)
+        write_index_json(index_data, output_dir, index_file_name(safetensors), sync_files=sync_files)
 
 
 def _sharing(module, include: bool, explicit: Optional[SharingMetadataT]) -> Optional[SharingMetadataT]:
@@ -139,12 +159,14 @@ def save_sharded_checkpoint(
 
     For one rank of many: files whose tensors are all elsewhere are skipped;
     a file whose tensors are split between this state and another raises
-    ``TensorMismatchError`` (it would be written incomplete). Does not write
+    ``TensorMismatchError`` (it would be written incomplete), as does a
+    tensor the format cannot store, before any file is written. Does not write
     the index: call :func:`save_shard_index` once every rank is done. Takes
     no writer lock (it is one rank's part of a save, and ranks writing their
     own files must not exclude each other); :func:`save_checkpoint` does.
     """
     sd = state_dict_of(module)
+    check_savable_tensors(sd, safetensors)
     weight_map = shard_index["weight_map"]
     aliases = alias_to_source(sharing_of(shard_index))
     unknown = [n for n in sd if n not in weight_map and n not in aliases]
