@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 
@@ -34,10 +34,12 @@ from shardkit.hf.bin_io import read_bin_shard
 from shardkit.hf.index import (
     files_to_names,
     index_file_name,
+    index_json,
     load_shard_index,
     plan_shards,
-    save_shard_index,
     shard_file_name,
+    shard_size_bytes,
+    write_index_json,
 )
 from shardkit.hf.save import _remove_previous
 from shardkit.hf.shard_io import shard_header
@@ -53,7 +55,7 @@ def distributed_to_hf(
     hf_dir: str,
     *,
     safetensors: bool = True,
-    max_shard_size: int = 2**31,
+    max_shard_size: Union[int, str] = 2**31,
     metadata: Optional[Dict] = None,
 ) -> None:
     """Write the full (unsharded) tensors of the distributed checkpoint ``dist_dir`` as an HF checkpoint.
@@ -66,7 +68,12 @@ def distributed_to_hf(
     checkpoint already in ``hf_dir`` is replaced: a damaged source raises
     ``IncompleteCheckpointError`` (a missing file ``MissingShardError``) and
     leaves ``hf_dir`` as it was. That is one extra read of the source.
+    ``max_shard_size``: bytes, or a string such as ``"5GB"`` (as for
+    ``save_checkpoint``). A bad size, or ``metadata`` the index cannot hold
+    and read back (a numpy scalar, NaN), raises ``MetadataError`` before
+    ``hf_dir`` is touched.
     """
+    max_shard_bytes = shard_size_bytes(max_shard_size)
     store, root = storage_for(dist_dir)
     not_files = non_regular_problems(store, root)
     if not_files:
@@ -80,17 +87,25 @@ def distributed_to_hf(
             shape = tuple(saved.spec.full_shape)
             load = (lambda n=name, s=shape: source.region(n, [0] * len(s), list(s)))
             lazy[name] = LazyTensor(source.dtype(name), shape, load)
-        plan = plan_shards([(n, t.nbytes) for n, t in lazy.items()], max_shard_size)
+        plan = plan_shards([(n, t.nbytes) for n, t in lazy.items()], max_shard_bytes)
         weight_map = {n: shard_file_name(i + 1, len(plan), safetensors) for i, names in enumerate(plan) for n in names}
-        meta = {"total_size": sum(t.nbytes for t in lazy.values()), **(metadata or {})}
-        if source.manifest.objects:
-            meta["shardkit_objects"] = source.manifest.objects
+        index_data = index_json({"metadata": _converted_meta(lazy, source, metadata), "weight_map": weight_map},
+                                index_file_name(safetensors))  # refused here, before hf_dir changes
         store, root = storage_for(hf_dir)
         with store.writer_lock(root, holder="shardkit.hf.distributed_to_hf"):
             _remove_previous(store, root)
             for file_name, names in files_to_names(weight_map, weight_map).items():
                 _write_converted(store, store.join(root, file_name), {n: lazy[n] for n in names}, safetensors)
-            save_shard_index({"metadata": meta, "weight_map": weight_map}, hf_dir, index_file_name(safetensors))
+            write_index_json(index_data, hf_dir, index_file_name(safetensors))
+
+
+def _converted_meta(lazy: Dict[str, LazyTensor], source, metadata: Optional[Dict]) -> dict:
+    if metadata is not None and not isinstance(metadata, dict):
+        raise MetadataError(f"metadata must be a dict (or None), got {type(metadata).__name__}: {str(metadata)[:80]}")
+    meta = {"total_size": sum(t.nbytes for t in lazy.values()), **(metadata or {})}
+    if source.manifest.objects:
+        meta["shardkit_objects"] = source.manifest.objects
+    return meta
 
 
 def _refuse_damaged(source, dist_dir: str, hf_dir: str) -> None:
@@ -137,10 +152,20 @@ def hf_to_distributed(
     rank's slice a view of the mapped HF shards (``shard_spec`` as for
     ``save_distributed``; ``None``: every tensor replicated). Tied names
     (``param_sharing``) are saved under their stored name only.
+
+    Before anything is written: ``world_size`` below 1 or a ``shard_spec``
+    that is not a layout for ``world_size`` ranks (sizes not summing to the
+    dimension, a ``shard_dim`` past the tensor's dimensions, built for
+    another world size) raises ``MetadataError``; a spec whose tensor the
+    checkpoint lacks, or whose ``full_shape`` differs from the saved one,
+    raises ``TensorMismatchError``.
     """
     from shardkit.checkpoint import save_distributed
+    from shardkit.checkpoint.spec import as_spec_dict, check_world
     from shardkit.hf.directory import get_checkpoint_metadata
 
+    check_world(0, world_size)
+    specs = as_spec_dict(shard_spec, world_size)
     meta = get_checkpoint_metadata(hf_dir)
     if meta is None or meta.distributed:
         raise MetadataError(f"{hf_dir} holds no Hugging Face checkpoint to convert")
@@ -164,10 +189,26 @@ def hf_to_distributed(
                 f"{absent[:3]}; the index and shards do not match -- re-save or restore the checkpoint"
             )
         state = {n: state[n] for n in weight_map}
-    specs = getattr(shard_spec, "tensor_specs", None) or {}
+    _check_specs_fit(specs, state, hf_dir)
     for rank in reversed(range(world_size)):  # rank 0 commits metadata.json; let it go last
         local = {n: _rank_view(t, specs.get(n), rank) for n, t in state.items()}
         save_distributed(local, dist_dir, rank, world_size, shard_spec, metadata=metadata)
+
+
+def _check_specs_fit(specs: dict, state: Dict[str, torch.Tensor], hf_dir: str) -> None:
+    """Raise ``TensorMismatchError`` for a spec naming a tensor ``state`` lacks or giving it another shape."""
+    for name, spec in specs.items():
+        if name not in state:
+            raise TensorMismatchError(
+                f"shard_spec names {name!r}, which the checkpoint in {hf_dir} does not hold (it holds e.g. "
+                f"{list(state)[:5]}); drop it from the spec or fix the name. Nothing was written."
+            )
+        if tuple(state[name].shape) != spec.full_shape:
+            raise TensorMismatchError(
+                f"shard_spec gives {name!r} full_shape {list(spec.full_shape)}, but the checkpoint in {hf_dir} "
+                f"holds it with shape {list(state[name].shape)}; build the spec from the saved shapes. "
+                f"Nothing was written."
+            )
 
 
 def _rank_view(tensor: torch.Tensor, spec, rank: int) -> torch.Tensor:
