@@ -45,12 +45,15 @@ def test_reshard_writes_a_valid_checkpoint_for_the_new_world(ckpt, tmp_path):
     assert whole["optim"]["w_m"].equal(state["optim"]["w_m"]) and whole["step"] == 3
 
 
-def test_reshard_bad_inputs_one_line_exit_2(ckpt, tmp_path):
+def test_reshard_bad_inputs_one_line_exit_2_and_an_incomplete_source_exit_1(ckpt, tmp_path):
     assert_one_line_error(*shardkit("reshard", tmp_path / "nope", tmp_path / "o", "--world-size", "2"))
     (tmp_path / "empty").mkdir()
     assert_one_line_error(*in_process("reshard", tmp_path / "empty", tmp_path / "o", "--world-size", "2"))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    assert "convert" in assert_one_line_error(*in_process("reshard", tmp_path / "hf", tmp_path / "o", "--world-size", "2"))
     os.remove(ckpt / "metadata.json")
-    line = assert_one_line_error(*in_process("reshard", ckpt, tmp_path / "o", "--world-size", "2"))
+    line = assert_one_line_error(*in_process("reshard", ckpt, tmp_path / "o", "--world-size", "2"), expected_code=1)
     assert "never finished" in line
     assert not (tmp_path / "o").exists()
 
@@ -69,7 +72,7 @@ def test_reshard_of_a_corrupt_checkpoint_publishes_nothing(ckpt, tmp_path):
     (ckpt / "rank_1.safetensors").write_bytes(bytes(data))
     # every source block is verified as it is read: a flipped byte is refused, never carried over
     # under fresh checksums, and nothing is published
-    line = assert_one_line_error(*in_process("reshard", ckpt, tmp_path / "o", "--world-size", "3"))
+    line = assert_one_line_error(*in_process("reshard", ckpt, tmp_path / "o", "--world-size", "3"), expected_code=1)
     assert "rank_1.safetensors" in line and "checksum" in line
     assert not (tmp_path / "o").exists()
     assert not any(p.name.startswith(".o.partial") for p in tmp_path.iterdir())
@@ -203,7 +206,7 @@ def test_convert_bad_inputs(ckpt, tmp_path):
     assert_one_line_error(*in_process("convert", ckpt, tmp_path / "o", "--to", "hf", "--prefix", "nothing."))
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    assert_one_line_error(*in_process("convert", tmp_path / "hf", tmp_path / "o", "--to", "distributed"))
+    assert_one_line_error(*in_process("convert", tmp_path / "hf", tmp_path / "o", "--to", "distributed"), expected_code=1)
     assert not (tmp_path / "o").exists()
 
 
@@ -242,7 +245,7 @@ def test_a_flipped_byte_in_a_dcp_record_is_caught_by_its_crc(tmp_path):
     code, out, err = in_process("validate", tmp_path / "dcp")
     assert code == 1 and "CRC-32" in out + err
     code, _, err = in_process("convert", tmp_path / "dcp", tmp_path / "dist", "--to", "distributed")
-    assert code == 2 and "CRC-32" in err and not (tmp_path / "dist").exists()
+    assert code == 1 and "CRC-32" in err and not (tmp_path / "dist").exists()
     with DcpCheckpoint(str(tmp_path / "dcp")) as ck:
         assert ck.read("model.b").dtype == torch.bfloat16  # the other records still read
 
@@ -262,7 +265,7 @@ def test_dcp_values_keep_tuples_and_a_damaged_value_is_an_error_not_a_gap(tmp_pa
         f.seek(chunk.offset + chunk.length - 30)
         f.write(b"\xff" * 8)
     code, _, err = in_process("convert", tmp_path / "a", tmp_path / "dist", "--to", "distributed")
-    assert code == 2 and "betas" in err and not (tmp_path / "dist").exists()
+    assert code == 1 and "betas" in err and not (tmp_path / "dist").exists()
 
 
 def _set(attr, value):
@@ -333,7 +336,7 @@ def test_a_dcp_metadata_that_carries_code_is_refused_and_never_runs(tmp_path):
     (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
     with pytest.raises(MetadataError):
         read_dcp_metadata(str(tmp_path / "dcp"))
-    line = assert_one_line_error(*shardkit("convert", tmp_path / "dcp", tmp_path / "o", "--to", "hf"))
+    line = assert_one_line_error(*shardkit("convert", tmp_path / "dcp", tmp_path / "o", "--to", "hf"), expected_code=1)
     assert "restricted unpickler" in line
     assert "restricted unpickler" in assert_one_line_error(*in_process("diff", tmp_path / "dcp", tmp_path / "dcp"))
     assert not marker.exists() and not (tmp_path / "o").exists()
@@ -345,7 +348,8 @@ def test_dcp_incomplete_and_corrupt(tmp_path):
     (tmp_path / "dcp" / ".metadata").write_bytes(data[: len(data) // 2])
     assert_one_line_error(*in_process("diff", tmp_path / "dcp", tmp_path / "dcp"))
     os.remove(tmp_path / "dcp" / ".metadata")
-    assert "never finished" in assert_one_line_error(*in_process("convert", tmp_path / "dcp", tmp_path / "o", "--to", "hf"))
+    assert "never finished" in assert_one_line_error(*in_process("convert", tmp_path / "dcp", tmp_path / "o", "--to", "hf"),
+                                                     expected_code=1)
 
 
 @pytest.mark.parametrize("chunks", [
@@ -374,7 +378,8 @@ def test_dcp_truncated_data_file_is_refused(tmp_path):
     _dcp_save_one(tmp_path / "dcp")
     (distcp,) = [p for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp"]
     distcp.write_bytes(distcp.read_bytes()[:100])
-    assert "truncated" in assert_one_line_error(*in_process("convert", tmp_path / "dcp", tmp_path / "o", "--to", "hf"))
+    assert "truncated" in assert_one_line_error(*in_process("convert", tmp_path / "dcp", tmp_path / "o", "--to", "hf"),
+                                                expected_code=1)
 
 
 # -- diff -----------------------------------------------------------------------------------------

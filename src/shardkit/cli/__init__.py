@@ -12,22 +12,12 @@ import os
 import sys
 import traceback
 
+from shardkit.cli.exit_codes import (EXIT_BROKEN_PIPE, EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE,
+                                     exit_code_for)
 from shardkit.cli.target import InputError
 from shardkit.errors import ShardkitError
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
-
-EXIT_OK, EXIT_BAD_CHECKPOINT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
-EXIT_BROKEN_PIPE, EXIT_INTERRUPTED = 141, 130  # as a shell reports SIGPIPE and SIGINT
-
-EXIT_CODES = """exit codes:
-  0  success (the checkpoint is complete and intact)
-  1  the checkpoint is bad: incomplete, corrupt, or it failed validation
-  2  bad usage or input: a missing path, not a checkpoint, an unreadable file
-  3  an internal error (a bug; set SHARDKIT_DEBUG=1 for the traceback and report it)
-
-Set SHARDKIT_DEBUG=1 to print the traceback of any error."""
-
 
 def build_parser() -> argparse.ArgumentParser:
     from shardkit import __version__
@@ -62,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         return _fail(args, str(e), EXIT_USAGE)
     except ShardkitError as e:
-        return _fail(args, str(e), EXIT_BAD_CHECKPOINT)
+        return _fail(args, str(e), exit_code_for(e))
     except OSError as e:  # the environment: permissions, a vanished file, a full disk
         return _fail(args, f"{type(e).__name__}: {e}", EXIT_USAGE)
     except Exception as e:  # noqa: BLE001 -- a bug: still one line, with the way to see more

@@ -3,8 +3,8 @@
 ``add_common`` adds ``--quiet`` and ``-v/--verbose`` (INFO; ``-vv`` DEBUG)
 for the ``shardkit.*`` loggers; :func:`progress_bar` is a tqdm bar on stderr,
 off with ``--quiet`` or when stderr is not a terminal; :func:`guarded` turns
-a bad input (a shardkit error, a missing file, a refused value) into one
-line on stderr and exit code 2, never a traceback.
+an error into one line on stderr and the exit code ``cli.exit_codes`` gives
+it (1 for a damaged checkpoint, 2 for bad input), never a traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import contextlib
 import logging
 import sys
 
+from shardkit.cli.exit_codes import EXIT_USAGE, exit_code_for
 from shardkit.errors import ShardkitError
 
 __all__ = ["add_common", "guarded", "progress_bar", "setup_logging"]
@@ -49,8 +50,10 @@ def progress_bar(args, total_bytes: int, desc: str):
         yield bar.update
 
 
-def guarded(command: str, run):
-    """``run(args)`` with bad inputs answered by one line on stderr and exit code 2."""
+def guarded(command: str, run, *, damaged_exit: int | None = None):
+    """``run(args)`` with errors answered by one line on stderr and an exit code: 1 for a damaged or
+    incomplete checkpoint (``damaged_exit`` instead, when given: ``diff`` says 2, its 1 meaning
+    "they differ"), 2 for bad input (a missing file, a taken destination, a refused value)."""
 
     def wrapper(args) -> int:
         setup_logging(args)
@@ -59,6 +62,7 @@ def guarded(command: str, run):
         except (ShardkitError, OSError, ValueError, TypeError) as e:
             message = str(e).splitlines()[0] if str(e) else type(e).__name__
             print(f"shardkit {command}: error: {message}", file=sys.stderr)
-            return 2
+            code = exit_code_for(e) if isinstance(e, (ShardkitError, OSError)) else EXIT_USAGE
+            return code if damaged_exit is None or code == EXIT_USAGE else damaged_exit
 
     return wrapper

@@ -12,7 +12,7 @@ stripped, optionally cast with
 (``--config``, or one found in SRC). ``--to distributed`` writes a one-rank
 checkpoint with every tensor replicated (loads on any world size).
 Tensor by tensor; DST appears complete or not at all.
-Exit codes: 0 done, 2 bad input.
+Exit codes: 0 done, 1 SRC is incomplete or corrupt, 2 bad input (a missing SRC, DST exists, a bad option).
 
 Example: shardkit convert dcp_ckpt hf_out --to hf --prefix model. --dtype bf16
 """
@@ -20,9 +20,10 @@ Example: shardkit convert dcp_ckpt hf_out --to hf --prefix model. --dtype bf16
 from __future__ import annotations
 
 import argparse
-import json
 
 from shardkit.cli._tools import add_common, guarded, progress_bar
+from shardkit.cli.json_out import json_text
+from shardkit.cli.target import checkpoint_kind
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32",
           "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -58,7 +59,9 @@ def run(args) -> int:
     from shardkit.offline import export_distributed, export_hf
     from shardkit.sources import detect_kind, open_source
 
-    kind = args.from_kind or detect_kind(args.src)
+    # a missing path or not a checkpoint is bad input (2), not a bad checkpoint
+    local_kind = checkpoint_kind(args.src) if "://" not in args.src else None
+    kind = args.from_kind or local_kind or detect_kind(args.src)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     if args.config and not os.path.isfile(args.config):
         raise FileNotFoundError(f"--config {args.config} does not exist")
@@ -77,7 +80,7 @@ def run(args) -> int:
     summary = {"src": args.src, "from": kind, "dst": args.dst, "to": args.to, "tensors": count,
                "seconds": round(seconds, 3)}
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary))
     else:
         print(f"{args.dst}: {count} tensors written as {args.to} from {kind} checkpoint {args.src} in {seconds:.2f} s")
     return 0

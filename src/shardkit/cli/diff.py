@@ -6,7 +6,7 @@ recorded checksums without reading where both carry comparable ones (two
 shardkit distributed checkpoints; --verify reads and checks the bytes
 instead, as validate does), else by reading both, one tensor at a time,
 with the largest absolute and relative (max|a-b| / max|a|) difference.
-Exit codes: 0 identical, 1 they differ, 2 bad input.
+Exit codes: 0 identical, 1 they differ, 2 bad input or a damaged checkpoint (as diff(1): trouble).
 
 Example: shardkit diff ckpt/step-100 ckpt/step-200 --json
 """
@@ -17,6 +17,7 @@ import argparse
 import json
 
 from shardkit.cli._tools import add_common, guarded, progress_bar
+from shardkit.cli.json_out import json_text
 
 
 def register(sub) -> None:
@@ -30,7 +31,7 @@ def register(sub) -> None:
     p.add_argument("--verify", action="store_true",
                    help="read and check every common tensor's bytes, even where the recorded checksums match")
     add_common(p)
-    p.set_defaults(run=guarded("diff", run))
+    p.set_defaults(run=guarded("diff", run, damaged_exit=2))
 
 
 def _fmt(x) -> str:
@@ -46,7 +47,7 @@ def run(args) -> int:
     with progress_bar(args, total, "diff") as update:
         report = diff_checkpoints(args.a, args.b, progress=update, verify=args.verify)
     if args.json:
-        print(json.dumps(report.to_json(), indent=2, default=str))
+        print(json_text(report.to_json(), default=str))
         return 0 if report.identical else 1
     same = [t for t in report.tensors if t.status == "identical"]
     print(f"A: {args.a}\nB: {args.b}")

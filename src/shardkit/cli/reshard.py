@@ -6,16 +6,16 @@ reused buffers: memory stays around two of the largest chunks moved, not the
 checkpoint. DST is built in a temporary sibling directory, checked (metadata,
 sizes, headers; its checksums are those of the bytes written), then renamed
 into place, so it is complete or absent (a kill midway leaves no DST).
-Exit codes: 0 done, 2 bad input (missing, incomplete or corrupt SRC; DST exists).
+Exit codes: 0 done, 1 SRC is incomplete or corrupt, 2 bad input (a missing SRC, DST exists, a bad option).
 
 Example: shardkit reshard ckpt/step-100 ckpt/step-100-ws3 --world-size 3
 """
 
 from __future__ import annotations
 
-import json
-
 from shardkit.cli._tools import add_common, guarded, progress_bar
+from shardkit.cli.json_out import json_text
+from shardkit.cli.target import DISTRIBUTED, InputError, checkpoint_kind
 
 
 def register(sub) -> None:
@@ -39,6 +39,10 @@ def run(args) -> int:
 
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    kind = checkpoint_kind(args.src)  # a missing path or not a checkpoint: bad input (2), not a bad checkpoint
+    if kind != DISTRIBUTED:
+        raise InputError(f"{args.src} is a {kind} checkpoint; reshard rewrites shardkit distributed checkpoints: "
+                         f"import it first with `shardkit convert {args.src} DIR --to distributed`")
     m = read_metadata(args.src)
     with open_source(args.src, "distributed") as src:
         total = sum(i.nbytes for i in src.tensors().values())
@@ -49,7 +53,7 @@ def run(args) -> int:
     summary = {"src": args.src, "dst": args.dst, "from_ranks": m.num_ranks, "to_ranks": args.world_size,
                "tensors": len(m.tensors), "bytes": total, "seconds": round(seconds, 3)}
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary))
     else:
         print(f"{args.dst}: {len(m.tensors)} tensors ({total:,} bytes) resharded {m.num_ranks} -> "
               f"{args.world_size} ranks in {seconds:.2f} s; checked")
