@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 
+from shardkit.cli.json_out import json_text
 from shardkit.cli.target import DCP, HF, checkpoint_kind
 
 
@@ -52,7 +53,7 @@ def run(args) -> int:
 
         summary = hf_summary(args.path)
         if args.json:
-            print(json.dumps(summary, indent=2, ensure_ascii=False))
+            print(json_text(summary))
         else:
             print_hf_summary(summary)
         return 0
@@ -67,8 +68,7 @@ def _run_dcp(args) -> int:
     rows = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "bytes": t.nbytes}
             for n, t in sorted(tensors.items())]
     if args.json:
-        print(json.dumps({"path": args.path, "kind": "dcp", "tensors": rows, "objects": values},
-                         indent=2, ensure_ascii=False, default=repr))
+        print(json_text({"path": args.path, "kind": "dcp", "tensors": rows, "objects": values}, default=repr))
         return 0
     print(f"{args.path}: PyTorch DCP checkpoint (.metadata read by a restricted unpickler)")
     print(f"{len(rows)} tensor(s), {sum(r['bytes'] for r in rows):,} bytes in all")
@@ -103,7 +103,7 @@ def _run_distributed(args) -> int:
         "problems": problems,
     }
     if args.json:
-        print(json.dumps(summary, indent=2, ensure_ascii=False))
+        print(json_text(summary))
         return 1 if problems else 0
     version = "seed format (ferrotorch 0.4)" if m.format_version is None else f"format v{m.format_version}"
     total = sum(r["bytes"] or 0 for r in rows)

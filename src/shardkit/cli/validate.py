@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 
 from shardkit.cli._tools import add_common, progress_bar, setup_logging
+from shardkit.cli.json_out import json_text
 from shardkit.cli.target import DCP, DISTRIBUTED, checkpoint_kind
 
 #: Problems printed before "... and N more" without --all.
@@ -92,7 +92,7 @@ def _lazy_bar(args, stack: contextlib.ExitStack):
 
 def _report(args, problems: list[str]) -> int:
     if args.json:
-        print(json.dumps({"path": args.path, "ok": not problems, "problems": problems}, indent=2, ensure_ascii=False))
+        print(json_text({"path": args.path, "ok": not problems, "problems": problems}))
         return 0 if not problems else 1
     if not problems:
         print(f"{args.path}: ok")
