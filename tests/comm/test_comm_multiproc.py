@@ -138,6 +138,23 @@ def test_from_env_and_torch_ddp_on_the_group(tmp_path):
     assert all(torch.allclose(torch.tensor(a), torch.tensor(b)) for a, b in zip(g0, g1))  # and averaged grads
 
 
+def _from_env_twice_beside_torch(rank, world_size, uid_bytes):
+    uid = UniqueId.from_bytes(uid_bytes)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(uid.port))
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)  # serves MASTER_PORT
+    sums = []
+    for step in range(2):  # a second group after the first is closed: same port, fresh keys
+        with Group.from_env(backend="gloo", timeout=30) as g:
+            sums.append(g.all_reduce(torch.tensor([rank + 1.0 + step])).item())
+    dist.destroy_process_group()
+    return sums
+
+
+def test_from_env_beside_torch_s_own_env_group_and_twice_in_one_process():
+    assert spawn_ranks(_from_env_twice_beside_torch, 2) == [[3.0, 5.0], [3.0, 5.0]]
+
+
 def _die_mid_collective(rank, world_size, uid_bytes):
     g = Group.init_rank(rank, world_size, UniqueId.from_bytes(uid_bytes), timeout=5)
     g.barrier()

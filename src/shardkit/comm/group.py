@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 from datetime import timedelta
@@ -62,6 +63,40 @@ def _rendezvous_store(rank, world_size, host, port, is_master, timeout):
     if world_size == 1:
         return dist.HashStore()  # no peers: nothing to meet over the network
     return dist.TCPStore(host, port, world_size, is_master, timeout=timeout, wait_for_workers=False)
+
+
+#: (MASTER_ADDR, MASTER_PORT) -> the store ``Group.from_env`` met on there, reused by later calls in this
+#: process: rank 0 cannot serve the port twice.
+_ENV_STORES: dict[tuple[str, int], dist.Store] = {}
+_ENV_JOINS = itertools.count()
+
+
+def _env_store(rank, world_size, host, port, serve, timeout):
+    """The store for ``Group.from_env``: this process's earlier one for ``host:port``, else a new one.
+
+    Rank 0 serves it, unless something in this process already does
+    (``torch.distributed.init_process_group(init_method="env://")`` binds
+    MASTER_PORT too): then it joins that server as a client, as the other
+    ranks do.
+    """
+    if world_size == 1:
+        return dist.HashStore()
+    store = _ENV_STORES.get((host, port))
+    if store is None:
+        try:
+            store = dist.TCPStore(host, port, world_size, serve, timeout=timeout, wait_for_workers=False)
+        except RuntimeError as e:
+            if not (serve and "EADDRINUSE" in str(e)):
+                raise
+            store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
+        _ENV_STORES[host, port] = store
+    return store
+
+
+def _env_prefix() -> str:
+    """Keys of the n-th ``from_env`` group of this process (every rank counts its calls alike), per
+    launcher restart: an agent's store outlives the workers of a failed attempt."""
+    return f"shardkit/env/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_ENV_JOINS)}/"
 
 
 class Group(Collectives):
@@ -125,9 +160,9 @@ class Group(Collectives):
         # Under torchrun the elastic agent already serves the store on MASTER_PORT.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         with _joining("Group.from_env", timeout):
-            store = _rendezvous_store(rank, world_size, os.environ["MASTER_ADDR"],
-                                      int(os.environ["MASTER_PORT"]), rank == 0 and not agent, timeout)
-            return cls._on_store(dist.PrefixStore("shardkit/env/", store), rank, world_size,
+            store = _env_store(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               rank == 0 and not agent, timeout)
+            return cls._on_store(dist.PrefixStore(_env_prefix(), store), rank, world_size,
                                  backend, timeout, keepalive=(store,))
 
     @classmethod
