@@ -44,16 +44,19 @@ from shardkit.bench.peers import single_process_dcp
 from shardkit.bench.workload import make_state
 from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata
 
-__all__ = ["IMPLS", "SETTLE_S", "first_call_blocked"]
+__all__ = ["IMPLS", "DCP_ASYNC", "SETTLE_S", "first_call_blocked"]
 
 #: Seconds the child waits after building its state, before the timed call.
 SETTLE_S: float = 2.5
+
+#: The peer's name among ``IMPLS``.
+DCP_ASYNC = "torch.distributed.checkpoint.async_save"
 
 #: impl name -> what the child calls.
 IMPLS = {
     "shardkit": "AsyncCheckpointer(dir, 0, 1, ...).save_async(state)",
     "shardkit, knobs.STAGING_PREFAULT=False": "the same, the copies faulting the fresh buffers themselves",
-    "torch.distributed.checkpoint.async_save": "dcp.async_save(state, storage_writer=FileSystemWriter(dir, sync_files=True))",
+    DCP_ASYNC: "dcp.async_save(state, storage_writer=FileSystemWriter(dir, sync_files=True))",
 }
 
 
@@ -102,7 +105,7 @@ def _child(argv: list[str]) -> None:
     ballast = torch.ones(int(argv[4]) // 4 if len(argv) > 4 else 0)  # noqa: F841 - held until the child exits
     run = {"shardkit": _shardkit_first,
            "shardkit, knobs.STAGING_PREFAULT=False": lambda *a: _shardkit_first(*a, prefault=False),
-           "torch.distributed.checkpoint.async_save": _dcp_first}[impl]
+           DCP_ASYNC: _dcp_first}[impl]
     print(json.dumps({"impl": impl, "blocked_s": run(state, dir, settle_s)}), flush=True)
 
 
