@@ -60,12 +60,15 @@ class _Refused(ValueError):
 
 
 def parse_json_object(source: str, data: bytes, *, fix: str, max_depth: int | None = None,
-                      object_hook: Callable[[dict], Any] | None = None) -> dict:
+                      object_hook: Callable[[dict], Any] | None = None, unique_keys: bool = False) -> dict:
     """The JSON object in ``data``; ``MetadataError`` naming ``source`` and ``fix`` otherwise.
 
     ``max_depth`` defaults to ``knobs.MAX_JSON_DEPTH``. ``object_hook`` is
     ``json.loads``'s: called on every object, innermost first, its result
     replaces the object (the outermost result must still be a ``dict``).
+    ``unique_keys``: refuse an object that has a key twice, naming the key
+    (``json.loads`` keeps the last silently, other readers may keep the
+    first); off by default, as it costs a little per object.
     """
     limit = knobs.MAX_JSON_DEPTH if max_depth is None else max_depth
     depth = json_depth(data)
@@ -77,7 +80,7 @@ def parse_json_object(source: str, data: bytes, *, fix: str, max_depth: int | No
     try:
         with gc_paused():
             obj = json.loads(data.decode("utf-8"), parse_int=int_hook, parse_float=_parse_float,
-                             parse_constant=_parse_constant, object_hook=object_hook)
+                             parse_constant=_parse_constant, **_object_hooks(object_hook, unique_keys))
     except _Refused as e:
         raise MetadataError(f"{source} holds {e}; {fix}") from e
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -89,6 +92,30 @@ def parse_json_object(source: str, data: bytes, *, fix: str, max_depth: int | No
 
 _JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
                type(None): "null", dict: "object"}
+
+
+def _object_hooks(object_hook: Callable[[dict], Any] | None, unique_keys: bool) -> dict:
+    """``json.loads`` keywords: ``object_hook`` as given, or behind a duplicate-key check (pairs hook)."""
+    if not unique_keys:
+        return {"object_hook": object_hook}
+
+    def pairs_hook(pairs: list) -> Any:
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            raise _Refused(f"the key {short_repr(_first_repeated_key(pairs))} twice in one object (readers "
+                           f"disagree on which one counts)")
+        return obj if object_hook is None else object_hook(obj)
+
+    return {"object_pairs_hook": pairs_hook}
+
+
+def _first_repeated_key(pairs: list) -> str:
+    seen: set = set()
+    for key, _ in pairs:
+        if key in seen:
+            return key
+        seen.add(key)
+    raise AssertionError("no repeated key")  # only called when dict(pairs) lost one
 
 
 def _has_run(data: bytes, run_chars: int) -> bool:

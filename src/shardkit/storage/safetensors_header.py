@@ -139,7 +139,15 @@ def file_layout(tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: dic
 
 
 def read_header(reader: Reader) -> SafetensorsHeader:
-    """Read and check the header of the safetensors file open in ``reader``."""
+    """Read and check the header of the safetensors file open in ``reader``.
+
+    Everything :func:`parse_header` checks, and also that the tensors cover
+    the data exactly, as the safetensors package requires: the first begins
+    at data byte 0, each begins where the one before it (by offset) ends, and
+    the last ends at the end of the file. Bytes that no tensor describes (a
+    gap, a first tensor that does not start at 0, bytes appended to the file)
+    raise :class:`MetadataError` naming the tensor. It reads no tensor bytes.
+    """
     if reader.size_bytes < 8:
         raise MetadataError(
             f"{reader.name} is {reader.size_bytes} bytes, too short to be a safetensors file "
@@ -153,7 +161,9 @@ def read_header(reader: Reader) -> SafetensorsHeader:
             f"{reader.size_bytes} bytes and headers are limited to "
             f"{knobs.MAX_SAFETENSORS_HEADER_BYTES}; the file is corrupt, truncated or not safetensors"
         )
-    return parse_header(reader.name, reader.read(8, header_len), reader.size_bytes)
+    header = parse_header(reader.name, reader.read(8, header_len), reader.size_bytes)
+    _check_cover(reader.name, header.tensors._packed, reader.size_bytes - header.data_start)
+    return header
 
 
 def parse_header(file_name: str, header_bytes: bytes, file_size: int) -> SafetensorsHeader:
@@ -164,10 +174,13 @@ def parse_header(file_name: str, header_bytes: bytes, file_size: int) -> Safeten
     ``knobs.MAX_TENSOR_NDIM`` ints in ``0..knobs.MAX_TENSOR_DIM``,
     ``data_offsets`` two ints inside the file, byte count = elements x item
     size, no two tensors overlapping, names of at most ``knobs.MAX_NAME_CHARS``
-    characters, ``__metadata__`` strings only), so callers can trust the
-    result; anything else raises :class:`MetadataError`. It does not check
-    that the tensors cover the data without gaps (validators compare the
-    file size with ``data_end``).
+    characters, ``__metadata__`` strings only, no key twice in any object), so
+    callers can trust the result; anything else raises :class:`MetadataError`.
+    It does not check that the tensors cover the data without gaps
+    (:func:`read_header`, which every reader uses, does). It does not require
+    a tensor to begin at a multiple of its element size: the safetensors
+    package reads such files, and shardkit copies those tensors rather than
+    mapping them (``hf.shard_io.map_shard``).
 
     Work and memory are linear in the header size: entries are checked and
     packed by a hook as the JSON parser meets them (the raw JSON of an entry
@@ -177,7 +190,8 @@ def parse_header(file_name: str, header_bytes: bytes, file_size: int) -> Safeten
     fix = "the file is corrupt, truncated or not safetensors"
     data_start = 8 + len(header_bytes)
     hook = _packing_hook(file_size - data_start)
-    obj = parse_json_object(f"{file_name}: the safetensors header", header_bytes, fix=fix, object_hook=hook)
+    obj = parse_json_object(f"{file_name}: the safetensors header", header_bytes, fix=fix, object_hook=hook,
+                            unique_keys=True)
     metadata = _metadata(file_name, obj.pop("__metadata__", None))
     if obj and max(map(len, obj)) > knobs.MAX_NAME_CHARS:
         for name in obj:
@@ -266,6 +280,33 @@ def _entry(file_name: str, name: str, raw: object, data_start: int, file_size: i
 
 
 _FIX = "the file is corrupt, truncated or not safetensors"
+
+
+def _check_cover(file_name: str, packed: dict[str, tuple], data_bytes: int) -> None:
+    """Refuse data bytes that no tensor describes (before the first tensor, between two, after the last).
+
+    ``packed`` passed :func:`_check_layout` (no overlaps, all inside the
+    data), so the tensors cover the data exactly when their sizes add up to
+    it: one pass, no sort. Only a refused file is sorted, to name the gap.
+    """
+    if sum(end - begin for _, _, begin, end in packed.values()) != data_bytes:
+        raise MetadataError(f"{file_name}: {_first_gap(packed, data_bytes)}; safetensors refuses such a file (its "
+                            f"tensors must cover the data exactly): it is corrupt, was appended to, or is not safetensors")
+
+
+def _first_gap(packed: dict[str, tuple], data_bytes: int) -> str:
+    """Where the first data bytes that no tensor describes are, in words."""
+    expected, before = 0, None
+    for name, (_, _, begin, end) in sorted(packed.items(), key=lambda item: item[1][2:]):
+        if begin != expected:
+            where = "the first tensor must begin at 0" if before is None else \
+                f"the tensor before it, {short_repr(before)}, ends at {expected}"
+            return (f"tensor {short_repr(name)} begins at data byte {begin}, but {where}: "
+                    f"{begin - expected} bytes belong to no tensor")
+        expected, before = end, name
+    described = "no tensors" if before is None else f"tensors up to data byte {expected} (the last: {short_repr(before)})"
+    return (f"its header describes {described}, but the file holds {data_bytes} bytes of data: the last "
+            f"{data_bytes - expected} belong to no tensor")
 
 
 def _check_layout(file_name: str, packed: dict[str, tuple], data_start: int) -> int:
