@@ -35,9 +35,9 @@ from shardkit.hf.index import (
     load_shard_index,
     sharing_of,
 )
-from shardkit.hf.shard_io import map_shard, read_shard, shard_header
-from shardkit.hf.sharing import create_sharing_metadata, retie_parameters
-from shardkit.hf.untrusted import hostile_input, non_regular_problems
+from shardkit.hf.shard_io import _entry, map_shard, read_shard, shard_header
+from shardkit.hf.sharing import check_ties, create_sharing_metadata, retie_parameters
+from shardkit.hf.untrusted import hostile_input, non_regular_problems, require_regular_file
 from shardkit.storage import storage_for
 from shardkit.storage.destinations import shared_destinations
 
@@ -101,6 +101,20 @@ def load_checkpoint(
     is then read into fresh memory. ``mmap=True`` maps where it can whatever
     the knob.
 
+    **When a module load fails.** What can be checked without reading tensor
+    bytes is checked before any tensor of the module changes: that the
+    checkpoint has the module's tensors (``strict``), that every file the load
+    reads is there and each safetensors header is whole and holds the tensors
+    placed in it in the module's shapes, and that ties recorded in the index
+    join names of one shape and dtype. A failure there leaves the module as it
+    was. A failure while the bytes themselves are read (an I/O error, a file
+    rewritten under the load) can come after some tensors were read in place
+    (``assign=False`` from safetensors files): the module is then partly
+    loaded -- some tensors new, the rest as before -- and must be loaded again
+    before use. With ``assign=True``, and from a distributed checkpoint (whose
+    checksums are checked as it is read, ``knobs.VERIFY_ON_LOAD``), everything
+    is read before the module changes, so a failure leaves it as it was.
+
     Example::
 
         sd = load_checkpoint("out/model", None)               # zero-copy dict
@@ -136,22 +150,33 @@ def load_checkpoint(
 
 
 def _load_distributed(model_dir, module, device, strict, assign, keys):
-    """A shardkit distributed checkpoint, consolidated: whole tensors by flat name."""
+    """A shardkit distributed checkpoint, consolidated: whole tensors by flat name.
+
+    Into a module, ties are handled as from an HF index (:func:`load_sharded_checkpoint`): names the
+    module ties to a saved name count as provided, each tie is read once and tied again after the
+    load. Every tensor is read, and its shape checked against the manifest, before the module changes.
+    """
     from shardkit.checkpoint import read_metadata
     from shardkit.hf.convert import load_distributed_flat
 
     if module is None:
         return {n: t.to(device) for n, t in load_distributed_flat(model_dir, keys).items()}
-    own = module.state_dict()
-    names = [n for n in read_metadata(model_dir).tensors if n in own]  # extras: never an error
-    tensors = {n: t.to(device) for n, t in load_distributed_flat(model_dir, names).items()}
+    own = module.state_dict(keep_vars=True)
+    own_ties = create_sharing_metadata(module)  # before the load: assign=True breaks them
+    saved = read_metadata(model_dir).tensors  # names the module lacks: never an error
+    _refuse_missing(model_dir, own, own_ties, set(saved), strict)
+    own_to_stored = _own_to_stored(own, saved, {})
+    for name in own_to_stored:
+        _check_shape(name, saved[name].spec.full_shape, own[name].shape)
+    tensors = {n: t.to(device) for n, t in load_distributed_flat(model_dir, list(own_to_stored)).items()}
     try:
-        module.load_state_dict(tensors, strict=strict, assign=assign)
+        module.load_state_dict(tensors, strict=False, assign=assign)
     except RuntimeError as e:
         raise TensorMismatchError(
             f"the distributed checkpoint in {model_dir} does not match the module ({e}); load the "
             f"right checkpoint, or pass strict=False"
         ) from e
+    retie_parameters(module, _loaded_first(own_ties, set(tensors)))
     return None
 
 
@@ -191,9 +216,12 @@ def load_sharded_checkpoint(
     embedding), even where the files hold differing copies of both names,
     as ``transformers``' ``tie_weights`` leaves it. Tensors whose memory
     overlaps otherwise are copied in one after the other, as
-    ``load_state_dict`` does. Dict mode returns
-    ``{name: tensor}`` on ``device``, tied names sharing one tensor.
-    ``mmap``: see :func:`load_checkpoint`.
+    ``load_state_dict`` does. An index tie between names of different shapes
+    or dtypes in the module, a shard that is missing or whose header is
+    malformed, and a tensor of another shape are refused before the module
+    changes (what a failure later leaves: see :func:`load_checkpoint`). Dict
+    mode returns ``{name: tensor}`` on ``device``, tied names sharing one
+    tensor. ``mmap``: see :func:`load_checkpoint`.
     """
     if module is not None and not isinstance(module, Module):
         raise TensorMismatchError(
@@ -236,15 +264,12 @@ def _read_files(model_dir, weight_map, names, safetensors, debug, targets=None, 
     (or, with ``mmap``, tensors over maps of the files)."""
     store, root = storage_for(model_dir)
     out: Dict[str, Tensor] = {}
-    for file_name, in_file in files_to_names(weight_map, names).items():
+    # .bin files first: they are read into fresh memory, so a failure in one leaves the module untouched.
+    for file_name, in_file in sorted(files_to_names(weight_map, names).items(), key=_is_safetensors):
         path = store.join(root, file_name)
         if debug:
             print(f"shardkit.hf: reading {len(in_file)} tensors from {path}")
-        if not store.exists(path):
-            raise MissingShardError(
-                f"the index names {file_name}, which is not in {model_dir}; the checkpoint is "
-                f"incomplete (validate_checkpoint reports it) -- load an earlier one"
-            )
+        _require_shard(store, path, file_name, model_dir)
         # The extension decides (the index check allows only the expected one), so a
         # wrong ``safetensors=`` flag cannot send a safetensors file to torch.load.
         if file_name.endswith(".safetensors"):
@@ -252,6 +277,20 @@ def _read_files(model_dir, weight_map, names, safetensors, debug, targets=None, 
         else:
             out.update(_read_bin(path, store, in_file))
     return out
+
+
+def _is_safetensors(file_and_names) -> bool:
+    return file_and_names[0].endswith(".safetensors")
+
+
+def _require_shard(store, path: str, file_name: str, model_dir: str) -> None:
+    """``MissingShardError`` if the shard the index names is absent; ``MetadataError`` if it is not a regular file."""
+    if not store.exists(path):
+        raise MissingShardError(
+            f"the index names {file_name}, which is not in {model_dir}; the checkpoint is "
+            f"incomplete (validate_checkpoint reports it) -- load an earlier one"
+        )
+    require_regular_file(store, path)
 
 
 def _read_safetensors(store, path, names, targets, mmap) -> Dict[str, Tensor]:
@@ -290,7 +329,22 @@ def _load_module(model_dir, shard_index, aliases, module, device, safetensors, s
     weight_map = shard_index["weight_map"]
     own = module.state_dict(keep_vars=True)
     own_ties = create_sharing_metadata(module)  # before the load: assign=True breaks them
-    provided = set(weight_map) | set(aliases)
+    missing = _refuse_missing(model_dir, own, own_ties, set(weight_map) | set(aliases), strict)
+    check_ties(module, sharing_of(shard_index), source=f"the index in {model_dir}")
+    own_to_stored = _own_to_stored(own, weight_map, aliases)
+    targets = {} if assign else _in_place_targets(own, own_to_stored)
+    if targets:  # reads in place: refuse what would stop the load part-way before the first one
+        _check_shards(model_dir, weight_map, own, own_to_stored)
+    with torch.no_grad():
+        loaded = _read_files(model_dir, weight_map, list(own_to_stored.values()), safetensors, debug, targets, mmap)
+        _install(module, own, {name: loaded[stored] for name, stored in own_to_stored.items()}, device, assign)
+    _retie_from_index(module, model_dir, sharing_of(shard_index))
+    retie_parameters(module, _loaded_first(own_ties, set(own_to_stored)))
+    return missing
+
+
+def _refuse_missing(model_dir, own, own_ties, provided: Set[str], strict: bool) -> Set[str]:
+    """The module's names the checkpoint does not provide (ties count); with ``strict``, raise if any."""
     missing = {k for k in own if k not in provided} - _covered_by(own_ties, provided)
     if strict and missing:
         raise TensorMismatchError(
@@ -299,14 +353,29 @@ def _load_module(model_dir, shard_index, aliases, module, device, safetensors, s
             f"(Tensors the checkpoint has and the module lacks are never an error: a module may be one "
             f"shard of the model.)"
         )
-    own_to_stored = _own_to_stored(own, weight_map, aliases)
-    targets = {} if assign else _in_place_targets(own, own_to_stored)
-    with torch.no_grad():
-        loaded = _read_files(model_dir, weight_map, list(own_to_stored.values()), safetensors, debug, targets, mmap)
-        _install(module, own, {name: loaded[stored] for name, stored in own_to_stored.items()}, device, assign)
-    _retie_from_index(module, model_dir, sharing_of(shard_index))
-    retie_parameters(module, _loaded_first(own_ties, set(own_to_stored)))
     return missing
+
+
+def _check_shards(model_dir, weight_map, own, own_to_stored: Dict[str, str]) -> None:
+    """Refuse, before the first tensor is read in place, a load that would stop part-way.
+
+    Every file the load reads must be there and a regular file; each
+    safetensors header is read and checked, and must hold the tensors the
+    index places there, in the module's shapes. Metadata only: each header is
+    read again by the load itself (headers are small); tensor bytes are not
+    read, and a ``.bin`` is checked when it is read (before any in-place read,
+    see :func:`_read_files`).
+    """
+    store, root = storage_for(model_dir)
+    stored_to_own = {stored: name for name, stored in own_to_stored.items()}
+    for file_name, in_file in files_to_names(weight_map, list(stored_to_own)).items():
+        path = store.join(root, file_name)
+        _require_shard(store, path, file_name, model_dir)
+        if file_name.endswith(".safetensors"):
+            header = shard_header(store, path)
+            for stored in in_file:
+                name = stored_to_own[stored]
+                _check_shape(name, _entry(header, path, stored).shape, own[name].shape)
 
 
 def _retie_from_index(module, model_dir, groups) -> None:
@@ -374,14 +443,18 @@ def _install(module: Module, own: Dict[str, Tensor], loaded: Dict[str, Tensor], 
     if not rest:
         return
     for name, t in rest.items():
-        if tuple(t.shape) != tuple(own[name].shape):
-            raise TensorMismatchError(
-                f"tensor {name!r} has shape {list(t.shape)} in the checkpoint, {list(own[name].shape)} "
-                f"in the module; the checkpoint is for a different model configuration"
-            )
+        _check_shape(name, t.shape, own[name].shape)
     if assign:
         rest = {n: t.to(device) for n, t in rest.items()}
     module.load_state_dict(rest, strict=False, assign=assign)
+
+
+def _check_shape(name: str, saved_shape, own_shape) -> None:
+    if tuple(saved_shape) != tuple(own_shape):
+        raise TensorMismatchError(
+            f"tensor {name!r} has shape {list(saved_shape)} in the checkpoint, {list(own_shape)} "
+            f"in the module; the checkpoint is for a different model configuration"
+        )
 
 
 def _read_into(loaded: Tensor, target: Tensor) -> bool:

@@ -18,9 +18,13 @@ from typing import List
 from torch import Tensor
 from torch.nn import Module
 
+from shardkit.errors import TensorMismatchError
 from shardkit.storage.destinations import memory_identity
 
-__all__ = ["create_sharing_metadata", "retie_parameters", "find_shared_groups", "alias_to_source", "tensor_names"]
+__all__ = [
+    "create_sharing_metadata", "retie_parameters", "find_shared_groups", "alias_to_source", "tensor_names",
+    "check_ties",
+]
 
 
 def find_shared_groups(named_tensors: list[tuple[str, Tensor]]) -> List[List[str]]:
@@ -58,10 +62,17 @@ def retie_parameters(module: Module, sharing_metadata: List[List[str]]) -> None:
     Does not copy values: after this, writing one name writes them all.
     Names the module does not have are skipped, as forgather does: a pipeline
     stage that holds one side of a tie (or neither) keeps what it has, and a
-    group with fewer than two names in the module changes nothing. Example::
+    group with fewer than two names in the module changes nothing. A name
+    whose shape differs from its group's first raises ``TensorMismatchError``
+    before anything is tied (such a tie would silently swap in a tensor of
+    another shape). Dtypes may differ here: an ``assign=True`` load gives the
+    first name the checkpoint's dtype, and the tie passes it on, as
+    ``transformers``' ``tie_weights`` does; loaders check dtypes on the module
+    before they load (:func:`check_ties`). Example::
 
         retie_parameters(stage0, [["embed.weight", "lm_head.weight"]])  # stage0 has no lm_head: no-op
     """
+    check_ties(module, sharing_metadata, dtypes=False)
     have = tensor_names(module)
     for group in sharing_metadata:
         present = [n for n in group if n in have]
@@ -74,6 +85,35 @@ def retie_parameters(module: Module, sharing_metadata: List[List[str]]) -> None:
                 owner._buffers[attr] = source
             else:
                 setattr(owner, attr, source)
+
+
+def check_ties(module: Module, sharing_metadata: List[List[str]], *, dtypes: bool = True, source: str = "") -> None:
+    """Raise ``TensorMismatchError`` if a group ties names of ``module`` whose shapes (or dtypes) differ.
+
+    Compares each name the module has with the first of its group that the
+    module has, as :func:`retie_parameters` would tie them; names the module
+    lacks are skipped. Reads no tensor data and changes nothing. ``source``
+    says where the groups come from, for the message (e.g. "the index in out/model"). Example::
+
+        check_ties(model, sharing_of(index), source="the index in out/model")  # before loading into model
+    """
+    have = tensor_names(module)
+    for group in sharing_metadata:
+        present = [n for n in group if n in have]
+        for alias in present[1:]:
+            _check_tie(_lookup(module, present[0]), _lookup(module, alias), present[0], alias, dtypes, source)
+
+
+def _check_tie(first: Tensor, other: Tensor, first_name: str, other_name: str, dtypes: bool, source: str) -> None:
+    if tuple(first.shape) == tuple(other.shape) and (not dtypes or first.dtype == other.dtype):
+        return
+    raise TensorMismatchError(
+        f"{source or 'the sharing metadata'} ties {other_name!r} to {first_name!r}, but in the module "
+        f"{other_name!r} is {list(other.shape)} {other.dtype} and {first_name!r} is {list(first.shape)} "
+        f"{first.dtype}; tying them would replace {other_name!r} with a tensor of another shape or dtype. "
+        f"The ties are for a different model: build the module with the checkpoint's configuration, or "
+        f"load with module=None and pick the tensors yourself."
+    )
 
 
 def tensor_names(module: Module) -> set:
