@@ -71,11 +71,13 @@ class CheckpointMeta:
     distributed: bool = False
 
 
+#: transformers' ``from_pretrained`` order (``modeling_utils``: SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME,
+#: WEIGHTS_NAME, WEIGHTS_INDEX_NAME), so that both read the same weights from one directory.
 _CANDIDATES = (
-    CheckpointMeta(SAFE_INDEX_NAME, True, True),
     CheckpointMeta(SAFE_WEIGHTS_NAME, False, True),
-    CheckpointMeta(BIN_INDEX_NAME, True, False),
+    CheckpointMeta(SAFE_INDEX_NAME, True, True),
     CheckpointMeta(BIN_WEIGHTS_NAME, False, False),
+    CheckpointMeta(BIN_INDEX_NAME, True, False),
     CheckpointMeta(DISTRIBUTED_METADATA_NAME, True, True, distributed=True),
 )
 
@@ -84,6 +86,12 @@ def get_checkpoint_metadata(path: str) -> Optional[CheckpointMeta]:
     """The layout of the checkpoint in ``path``, or None when there is none.
 
     Looks only at which files exist; :func:`validate_checkpoint` checks them.
+    Where several layouts are present it picks the one ``from_pretrained``
+    loads: ``model.safetensors``, then ``model.safetensors.index.json``, then
+    ``pytorch_model.bin``, then its index (then ``metadata.json``), so shardkit
+    and transformers never read different weights from one directory. It
+    does not warn about the others; ``save_checkpoint`` removes them, and
+    :func:`~shardkit.hf.create_pretrained_symlinks` refuses to link next to them.
     """
     store, root = storage_for(path)
     for meta in _CANDIDATES:

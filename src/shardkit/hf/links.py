@@ -4,7 +4,9 @@ Each weight file of the latest complete checkpoint gets a **relative**
 symlink in ``model_dir`` (the directory can be moved or mounted elsewhere),
 shards first and the index last. Links left from an older checkpoint are
 replaced; a regular file in the way raises ``CheckpointExistsError`` unless
-``force_overwrite``. This module does not copy data or write configs, and makes no links on
+``force_overwrite``. So does any other weight file or index in ``model_dir``
+(e.g. a ``model.safetensors`` from an earlier ``save_pretrained``):
+``from_pretrained`` would load it instead of the links. This module does not copy data or write configs, and makes no links on
 object stores (``s3://``...: none exist there; it raises ``CheckpointError``).
 
 Example::
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import List
 
 from shardkit.errors import CheckpointError, CheckpointExistsError, MissingShardError
@@ -27,6 +30,9 @@ from shardkit.storage import storage_for, temp_name
 __all__ = ["create_pretrained_symlinks"]
 
 log = logging.getLogger(__name__)
+
+#: Names ``from_pretrained`` (or an index it reads) loads weights from: single files, shards, indexes.
+_WEIGHT_NAME_RE = re.compile(r"^(model(-\d+-of-\d+)?\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin)(\.index\.json)?$")
 
 
 def _weight_files(checkpoint: str) -> List[str]:
@@ -47,9 +53,13 @@ def create_pretrained_symlinks(model_dir: str, force_overwrite: bool = False, dr
     forgather: ``MissingShardError`` (a ``FileNotFoundError``) when there is
     no complete checkpoint under ``model_dir/checkpoints``, and
     ``CheckpointExistsError`` (a ``FileExistsError``) when something that is
-    not a symlink is where a link would go and ``force_overwrite`` is False.
-    Both are raised before any link is made (also with ``dry_run``).
-    ``force_overwrite`` replaces regular files, never directories.
+    not a symlink is where a link would go, or when ``model_dir`` holds any
+    other weight file or index (``model*.safetensors``, ``pytorch_model*.bin``,
+    their indexes) that is not a link this function made: transformers looks
+    for ``model.safetensors`` before the index, so it would load those stale
+    weights instead of the links. Both are raised before any link is made
+    (also with ``dry_run``). ``force_overwrite`` replaces the files in the way
+    and deletes the other weight files, never directories.
     """
     store, model_dir = storage_for(model_dir)
     if not store.has_symlinks:
@@ -67,8 +77,13 @@ def create_pretrained_symlinks(model_dir: str, force_overwrite: bool = False, dr
     files = _weight_files(latest)
     links = [os.path.join(model_dir, name) for name in files]
     _check_nothing_in_the_way(links, force_overwrite)
+    others = _other_weight_files(model_dir, set(files))
+    _check_no_other_weights(model_dir, others, force_overwrite)
     if dry_run:
         return links
+    for path in others:  # first: from here on, from_pretrained can find only the old links or the new ones
+        log.warning("removing %s, weights that are not the latest checkpoint's (force_overwrite=True)", path)
+        os.remove(path)
     rel_dir = os.path.relpath(latest, model_dir)
     for name, link in zip(files, links):
         if os.path.lexists(link) and not os.path.islink(link):
@@ -95,6 +110,37 @@ def _check_nothing_in_the_way(links: List[str], force_overwrite: bool) -> None:
             )
 
 
+def _other_weight_files(model_dir: str, linked: set) -> List[str]:
+    """Weight files and indexes in ``model_dir`` that are neither being linked nor links to a checkpoint."""
+    found = []
+    for name in sorted(os.listdir(model_dir)):
+        path = os.path.join(model_dir, name)
+        if name not in linked and _WEIGHT_NAME_RE.match(name) and not _is_checkpoint_link(path):
+            found.append(path)
+    return found
+
+
+def _check_no_other_weights(model_dir: str, others: List[str], force_overwrite: bool) -> None:
+    """Raise ``CheckpointExistsError`` for other weights next to the links (always, for a directory)."""
+    dirs = [p for p in others if os.path.isdir(p) and not os.path.islink(p)]
+    if not others or (force_overwrite and not dirs):
+        return
+    names = [os.path.basename(p) for p in dirs or others]
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    fix = "move them away (force_overwrite deletes files, never directories)" if dirs else \
+        "move them away, or pass force_overwrite=True to delete them"
+    raise CheckpointExistsError(
+        f"{model_dir} holds {', '.join(names[:3])}{more}, weights that are not the latest checkpoint's; "
+        f"from_pretrained({model_dir!r}) looks for model.safetensors before the index, so it could load those "
+        f"instead of the links. No link was made: {fix}"
+    )
+
+
+def _is_checkpoint_link(path: str) -> bool:
+    """Whether ``path`` is a link this module made (relative, into ``checkpoints/``)."""
+    return os.path.islink(path) and os.readlink(path).startswith("checkpoints" + os.sep)
+
+
 def _replace_with_link(target: str, link: str) -> None:
     tmp = os.path.join(os.path.dirname(link), temp_name(os.path.basename(link)))
     os.symlink(target, tmp)
@@ -102,9 +148,7 @@ def _replace_with_link(target: str, link: str) -> None:
 
 
 def _remove_stale_links(model_dir: str, current: set) -> None:
-    prefix = "checkpoints" + os.sep
     for name in os.listdir(model_dir):
         path = os.path.join(model_dir, name)
-        if name not in current and os.path.islink(path) and os.readlink(path).startswith(prefix):
-            if name.startswith(("model", "pytorch_model")):
-                os.remove(path)
+        if name not in current and _is_checkpoint_link(path) and name.startswith(("model", "pytorch_model")):
+            os.remove(path)
