@@ -50,7 +50,7 @@ from shardkit.checkpoint.staging import stage
 from shardkit.errors import AsyncCheckpointError, TensorMismatchError
 from shardkit.storage import storage_for
 
-__all__ = ["save", "load", "async_save", "resolve_world", "start_background", "background_coordinator",
+__all__ = ["save", "load", "async_save", "resolve_world", "start_background", "background_coordinator", "release_staging",
            "stage_for_background"]
 
 
@@ -166,7 +166,10 @@ def _check_names(names: set[str], saved: set[str], strict: bool) -> None:
 
 _BACKGROUND_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _BACKGROUND_LOCK = threading.Lock()
-_LAST_THREAD: dict[int, threading.Thread] = {}     # id(background group) -> its latest save thread
+# Saves are tracked by their futures' events, never by Thread.is_alive()/join(): on Python 3.11 a
+# KeyboardInterrupt inside join() marks a still-running thread as stopped, and a save whose buffers
+# were then reused wrote the next step's values under its own step.
+_LAST_SAVE: dict[int, CheckpointFuture] = {}       # id(background group) -> its latest save
 _STAGING: dict[int, dict] = {}                      # id(background group) -> staging buffers to reuse
 
 
@@ -217,8 +220,8 @@ def stage_for_background(prep, background) -> None:
     The buffers (one CPU copy of this rank's boxes) are kept for the next save."""
     key = _key(background)
     with _BACKGROUND_LOCK:
-        previous = _LAST_THREAD.get(key)
-        buffers = _STAGING.pop(key, {}) if previous is None or not previous.is_alive() else {}
+        previous = _LAST_SAVE.get(key)
+        buffers = _STAGING.pop(key, {}) if previous is None or previous.done() else {}
     prep.to_write, used = stage(prep.to_write, buffers)
     with _BACKGROUND_LOCK:
         _STAGING[key] = used
@@ -232,7 +235,7 @@ def start_background(prep, dir, background, *, before_write=None, after=None) ->
     future = CheckpointFuture(os.fspath(dir), f"background checkpoint save (rank {prep.rank})")
     key = _key(background)
     with _BACKGROUND_LOCK:
-        previous = _LAST_THREAD.get(key)
+        previous = _LAST_SAVE.get(key)
 
     def run():
         error = None
@@ -240,7 +243,7 @@ def start_background(prep, dir, background, *, before_write=None, after=None) ->
             if previous is not None:
                 # Saves on one background group run in the order they were started (the same
                 # on every rank): two threads issuing collectives on one group would mismatch.
-                previous.join()
+                previous.wait_finished()
             write_and_commit(prep, storage, directory, background, before_write)
             if after is not None:
                 after()
@@ -255,7 +258,15 @@ def start_background(prep, dir, background, *, before_write=None, after=None) ->
             thread.start()
         except RuntimeError as e:
             raise AsyncCheckpointError(f"could not start the background save thread: {e}") from e
-        _LAST_THREAD[key] = thread
-    future._thread = thread
-    join_at_exit(thread)
+        _LAST_SAVE[key] = future
+    join_at_exit(thread, future)
     return future
+
+
+def release_staging(background) -> None:
+    """Free the staging buffers kept for ``background``'s next save, unless a save is still using them."""
+    key = _key(background)
+    with _BACKGROUND_LOCK:
+        previous = _LAST_SAVE.get(key)
+        if previous is None or previous.done():
+            _STAGING.pop(key, None)

@@ -85,6 +85,7 @@ from shardkit.checkpoint.shutdown import destroy_at_exit, join_at_exit
 from shardkit.checkpoint.nested import flatten
 from shardkit.checkpoint.staging import stage
 from shardkit.comm import Group
+from shardkit.comm.process_group_view import process_group_timeout
 from shardkit.errors import AsyncCheckpointError, AsyncCheckpointIOError, AsyncWaitTimeout, CheckpointIOError
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]
@@ -123,6 +124,15 @@ class CheckpointFuture:
     def done(self) -> bool:
         """True once the background save has finished, successfully or not."""
         return self._finished.is_set()
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Block until the save has finished, successfully or not, without raising its failure.
+
+        False when ``timeout`` (seconds) ran out first. Safe to interrupt (a
+        KeyboardInterrupt leaves the future as it was), unlike joining the
+        save's thread on Python 3.11, which can then call a running thread stopped.
+        """
+        return self._finished.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save finished; raise ``AsyncCheckpointError`` if it failed.
@@ -225,7 +235,7 @@ class AsyncCheckpointer:
             self._release(future)
             raise AsyncCheckpointError(f"could not start the background save thread: {e}") from e
         self._thread = thread
-        join_at_exit(thread)
+        join_at_exit(thread, future)
         try:
             staged = self._stage_checked(state_dict)
         except BaseException as e:
@@ -263,21 +273,20 @@ class AsyncCheckpointer:
         """Wait for the save in flight, free the staging buffers (and a split shardkit Group).
 
         Raises the last save's failure unless a ``wait()`` already raised it.
-        Idempotent. A closed checkpointer refuses ``save_async``.
+        Idempotent. A closed checkpointer refuses ``save_async``. Interrupted
+        (Ctrl-C) while the save runs, it tears nothing down: the save goes on,
+        and ``close()`` may be called again.
         """
         if self._closed:
             return
-        try:
-            thread = self._thread
-            if thread is not None:
-                thread.join()
-            future = self._in_flight
-            if future is not None and not future._reported:
-                future.wait()
-        finally:
-            self._closed = True
-            self._buffers = {}
-            self._destroy_own_group()
+        future = self._in_flight
+        if future is not None:
+            future.wait_finished()  # first: nothing the save uses is freed while it runs
+        self._closed = True
+        self._buffers = {}
+        self._destroy_own_group()
+        if future is not None and not future._reported:
+            future.wait()
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
@@ -375,6 +384,9 @@ def _dedicated_gloo_group(group):
             f"torch.distributed does not know it ({type(e).__name__}: {e}). Pass "
             f"dedicated_group=False with a group that nothing else uses while a save is in flight"
         ) from e
-    own = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    # The training group's timeout, not torch's 30-minute default: a rank that stalls or never
+    # joins a background save fails it (and the wait() on it) within the job's own deadline.
+    own = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True,
+                         timeout=process_group_timeout(pg))
     destroy_at_exit(own)  # before interpreter teardown, which aborted jobs that never destroyed it
     return own

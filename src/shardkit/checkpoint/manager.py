@@ -45,17 +45,21 @@ one (``CheckpointError``): rotation orders steps by number.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import os
 import re
 import threading
+import time
 
 from shardkit.checkpoint.api import (
-    background_coordinator, load, resolve_world, stage_for_background, start_background,
+    background_coordinator, load, release_staging, resolve_world, stage_for_background, start_background,
 )
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.group import broadcast_json
 from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
-from shardkit.errors import CheckpointError, CheckpointExistsError, MetadataError
+from shardkit.errors import (AsyncCheckpointError, AsyncWaitTimeout, CheckpointError, CheckpointExistsError,
+                             MetadataError)
 from shardkit.storage import Storage, storage_for
 
 __all__ = ["CheckpointManager", "step_dir_name"]
@@ -63,6 +67,9 @@ __all__ = ["CheckpointManager", "step_dir_name"]
 # ASCII digits, no leading zero, nothing after: one name per step (``step_dir_name``).
 _STEP_DIR = re.compile(r"step-(0|[1-9][0-9]{0,17})")
 _KEY = "shardkit.manager"
+#: How a non-finite metric is stored (JSON has no NaN); ``metrics()`` gives the float back.
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+log = logging.getLogger(__name__)
 
 
 def step_dir_name(step: int) -> str:
@@ -85,7 +92,8 @@ class CheckpointManager:
         self.best = _parse_best(best)
         self._coordinator, self.rank, self.world_size = resolve_world(group)
         self._future = None
-        self._rotation: threading.Thread | None = None
+        self._rotation: threading.Event | None = None  # set when the blocking save's rotation is over
+        self._background = None  # the group background saves use (None: one process)
         self._writing: int | None = None
         self._closed = False
         if self.rank == 0:
@@ -112,32 +120,50 @@ class CheckpointManager:
         With ``async_save=True`` it returns once the state is staged (the
         write, commit and rotation run in the background; :meth:`wait` for
         them); else once the checkpoint is committed (rotation runs on a
-        thread). ``metrics`` (JSON numbers) are stored with the step;
-        ``rank_state`` as for :func:`~shardkit.checkpoint.save`.
+        thread). ``metrics`` (numbers: int, float, or a one-element tensor
+        or numpy scalar, read with ``.item()``; a NaN or infinite loss is
+        kept, as :meth:`metrics` gives it back) are stored with the step;
+        ``rank_state`` as for :func:`~shardkit.checkpoint.save`. A failure to
+        delete old steps is logged, not raised: the step is committed, and the
+        next rotation tries again.
         """
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed; create a new one to save again")
         if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**18:
             raise MetadataError(f"step must be an integer from 0 to 10**18 - 1, got {step!r}")
+        metadata = {_KEY: {"step": step, "metrics": _encode_metrics(metrics)}}
         self.wait()
         self._refuse_to_save(step)
-        metadata = {_KEY: {"step": step, "metrics": dict(metrics or {})}}
         prep = prepare(state_dict, self._coordinator, self.rank, self.world_size, metadata, rank_state)
         directory = self.step_dir(step)
         clear = lambda: self._clear_leftover(step)  # noqa: E731 - rank 0, before anything is written
         self._writing = step
         if self.async_save:
-            background = background_coordinator(self.group, self._coordinator, self.rank, self.world_size)
-            stage_for_background(prep, background)
-            self._future = start_background(prep, directory, background, before_write=clear, after=self._after_save)
+            self._future = self._save_in_background(step, prep, directory, clear)
             return
         try:
             write_and_commit(prep, self._storage, directory, self._coordinator, clear)
         finally:
             self._writing = None
         if self.rank == 0:
-            self._rotation = threading.Thread(target=self._rotate, name="shardkit-ckpt-rotate", daemon=False)
-            self._rotation.start()
+            self._rotation = done = threading.Event()
+            threading.Thread(target=lambda: (self._rotate_logged(), done.set()), name="shardkit-ckpt-rotate",
+                             daemon=False).start()
+
+    def _save_in_background(self, step: int, prep, directory: str, clear):
+        background = background_coordinator(self.group, self._coordinator, self.rank, self.world_size)
+        self._background = background
+        try:
+            stage_for_background(prep, background)
+        except BaseException as e:
+            self._writing = None
+            if not isinstance(e, Exception):
+                raise
+            raise AsyncCheckpointError(
+                f"staging step {step} for its background save failed before anything was written: "
+                f"{type(e).__name__}: {e}. With a group, the other ranks' saves of this step fail once "
+                f"the group's timeout runs out; free host memory (or save less) and save again") from e
+        return start_background(prep, directory, background, before_write=clear, after=self._after_save)
 
     def restore(self, state_dict, step: int | None = None, *, rank_state=None) -> int | None:
         """Load step ``step`` (default: the latest complete one) into ``state_dict`` in place.
@@ -159,28 +185,48 @@ class CheckpointManager:
         return chosen
 
     def metrics(self, step: int) -> dict:
-        """The metrics saved with ``step``."""
+        """The metrics saved with ``step`` (a NaN or infinite value comes back as that float)."""
         m = read_manifest(self._storage, self.step_dir(step))
-        return dict((m.user_metadata.get(_KEY) or {}).get("metrics") or {})
+        saved = dict((m.user_metadata.get(_KEY) or {}).get("metrics") or {})
+        return {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in saved.items()}
 
-    def wait(self) -> None:
-        """Wait for the save and rotation in flight, if any; raise a failed save's error."""
-        future, self._future = self._future, None
-        try:
-            if future is not None:
-                future._thread.join()
-                future.wait()
-        finally:
-            self._writing = None
-            rotation, self._rotation = self._rotation, None
-            if rotation is not None:
-                rotation.join()
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the save and rotation in flight, if any; raise a failed save's error.
+
+        ``timeout`` (seconds): raise :class:`~shardkit.errors.AsyncWaitTimeout`
+        if they are still running then (they go on; wait again). Interrupted
+        (Ctrl-C), it changes nothing: the save goes on, and the next
+        ``wait()``, ``save()`` or ``close()`` waits for it.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        future = self._future
+        if future is not None:
+            try:
+                future.wait(_left_s(deadline))
+            finally:
+                if future.done():  # finished or failed: not on a timeout or an interrupt
+                    self._future, self._writing = None, None
+        rotation = self._rotation
+        if rotation is not None:
+            if not rotation.wait(_left_s(deadline)):
+                raise AsyncWaitTimeout(f"removing old checkpoints under {self.root} is still running after "
+                                       f"{timeout} s; it goes on: call wait() again")
+            self._rotation = None
 
     def close(self) -> None:
-        """Wait for everything in flight (see :meth:`wait`); idempotent."""
-        if not self._closed:
-            self._closed = True
+        """Wait for everything in flight (see :meth:`wait`), then free the staging buffers; idempotent.
+
+        Interrupted while a save runs, the manager stays open (call it again).
+        """
+        if self._closed:
+            return
+        try:
             self.wait()
+        finally:
+            if self._future is None:  # nothing runs any more, even if it failed
+                self._closed = True
+                if self.async_save:
+                    release_staging(self._background)
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -214,7 +260,16 @@ class CheckpointManager:
     def _after_save(self) -> None:
         self._writing = None
         if self.rank == 0:
+            self._rotate_logged()
+
+    def _rotate_logged(self) -> None:
+        """Rotate; a failure is logged, since the step just saved is committed whatever happens here."""
+        try:
             self._rotate()
+        except Exception as e:  # noqa: BLE001 - e.g. EIO or EACCES deleting an old step
+            log.warning("the newest step under %s is saved and complete, but removing old checkpoints failed "
+                        "(%s: %s); they stay on disk until the next save's rotation removes them",
+                        self.root, type(e).__name__, e)
 
     def _refuse_to_save(self, step: int) -> None:
         """Raise, on every rank (rank 0 decides), where saving ``step`` could cost a complete checkpoint.
@@ -283,9 +338,49 @@ class CheckpointManager:
                 value = self.metrics(step).get(name)
             except (CheckpointError, OSError):
                 continue
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 scored.append((value if mode == "min" else -value, -step, step))
         return min(scored)[2] if scored else None
+
+
+def _left_s(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _encode_metrics(metrics) -> dict:
+    """``metrics`` as JSON numbers (a non-finite one by its ``_NON_FINITE`` name); ``MetadataError``
+    naming the key for anything else. Runs before anything is waited for or written."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise MetadataError(f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
+    return {_metric_name(key): _metric_value(key, value) for key, value in metrics.items()}
+
+
+def _metric_name(key) -> str:
+    if not isinstance(key, str):
+        raise MetadataError(f"metric names must be strings, got {key!r}")
+    return key
+
+
+def _metric_value(key: str, value):
+    number = _as_number(value)
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise MetadataError(f"metric {key!r} is {type(value).__name__} {str(value)[:80]}; metrics are numbers "
+                            f"(pass float(...) of it)")
+    if isinstance(number, int) or math.isfinite(number):
+        return number
+    return "NaN" if math.isnan(number) else ("Infinity" if number > 0 else "-Infinity")
+
+
+def _as_number(value):
+    """``value``, or its ``.item()`` when it is a one-element tensor or numpy value."""
+    if isinstance(value, (int, float)):
+        return value
+    try:
+        return value.item()
+    except (AttributeError, ValueError, RuntimeError):  # not an array, or more than one element
+        return value
 
 
 def _parse_best(best):

@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import weakref
 
@@ -37,7 +38,9 @@ __all__ = ["destroy_at_exit", "join_at_exit"]
 _lock = threading.Lock()
 _groups: list = []
 _threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_futures: "weakref.WeakSet" = weakref.WeakSet()  # their CheckpointFutures: failures nobody waited for
 _registered = False
+log = logging.getLogger("shardkit.checkpoint")
 
 
 def _register() -> None:
@@ -60,6 +63,19 @@ def _join_saves() -> None:
     for thread in list(_threads):
         if thread.is_alive() and thread is not threading.current_thread():
             thread.join()
+    _report_unseen_failures()
+
+
+def _report_unseen_failures() -> None:
+    """Log each background save that failed and that no ``wait()``/``close()`` ever raised: a job that
+    forgot ``close()`` must not lose its last checkpoint in silence."""
+    for future in list(_futures):
+        if future.done() and future._error is not None and not future._reported:
+            future._reported = True
+            error = future._error
+            log.error("the %s to %s failed, and nothing waited for it: %s: %s. That checkpoint is incomplete "
+                      "and will not load; wait() on the future (or close() the checkpointer) to raise such "
+                      "failures where they happen", future._description, future.dir, type(error).__name__, error)
 
 
 def destroy_at_exit(group) -> None:
@@ -69,11 +85,14 @@ def destroy_at_exit(group) -> None:
         _groups.append(group)
 
 
-def join_at_exit(thread: threading.Thread) -> None:
-    """Join ``thread`` (a background save) at exit, before the groups it uses are destroyed."""
+def join_at_exit(thread: threading.Thread, future=None) -> None:
+    """Join ``thread`` (a background save) at exit, before the groups it uses are destroyed; then log
+    the failure of its ``future`` (a ``CheckpointFuture``) if it failed and nothing raised it."""
     with _lock:
         _register()
         _threads.add(thread)
+        if future is not None:
+            _futures.add(future)
 
 
 def _at_exit() -> None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from shardkit.comm.abort import AbortHandle, wait_work
 from shardkit.errors import CommError
 
-__all__ = ["ProcessGroupView"]
+__all__ = ["ProcessGroupView", "process_group_timeout"]
 
 
 class ProcessGroupView:
@@ -39,7 +39,7 @@ class ProcessGroupView:
         self.pg = pg
         self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
         self.backend = dist.get_backend(pg)
-        self.timeout = _timeout_of(pg)
+        self.timeout = process_group_timeout(pg)
         self._abort = AbortHandle()
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -73,7 +73,7 @@ class ProcessGroupView:
                             f"Backend said: {str(e).strip()[:300]}") from e
         wait_work(work, what=what, timeout=self.timeout, handle=self._abort, backend_wait=self.backend == "gloo")
 
-def _timeout_of(pg) -> timedelta:
+def process_group_timeout(pg) -> timedelta:
     """The process group's own timeout where torch tells it, else torch's default."""
     try:
         return pg._get_backend(torch.device("cpu")).options._timeout
