@@ -79,6 +79,10 @@ def load_checkpoint(
       (``knobs.MAP_PREFETCH = False`` turns that off; see ``storage.read_ahead``);
     - copy-on-write: writing to a loaded tensor copies that page privately;
       it never reaches the file;
+    - one open file descriptor per mapped file, while any of its tensors
+      lives: a dict load of a 400-shard checkpoint holds 400 (past the
+      process's limit, ``ulimit -n``, the load raises ``CheckpointIOError``
+      saying so; ``mmap=False`` keeps none);
     - the pages are the file's: under memory pressure the kernel drops them
       (no swap needed) and reads them again when touched; they count in the
       process's RSS as shared file pages while mapped;

@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import shutil
@@ -18,7 +19,7 @@ import threading
 import weakref
 
 from shardkit import knobs
-from shardkit.errors import MissingShardError
+from shardkit.errors import CheckpointIOError, MissingShardError
 from shardkit.storage.atomic import atomic_local_writer, fsync_dir, makedirs_synced, typed_io_errors
 from shardkit.storage.base import Reader, Storage
 from shardkit.storage.lock import is_lock_name, local_writer_lock
@@ -264,6 +265,9 @@ class LocalStorage(Storage):
         return local_writer_lock(directory, slot=slot, holder=holder)
 
     def map_private(self, path: str) -> "mmap.mmap | None":
+        """A copy-on-write map of the whole file (None when it is empty). The map holds one file
+        descriptor until it is closed or collected: a process mapping more files than its
+        descriptor limit gets a ``CheckpointIOError`` saying so."""
         check_regular_file(path)
         try:
             with open(path, "rb") as f:
@@ -272,5 +276,13 @@ class LocalStorage(Storage):
                 mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except FileNotFoundError as e:
             raise MissingShardError(f"{path} does not exist") from e
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            raise CheckpointIOError(
+                f"could not map {path}: too many open files ({errno.errorcode[e.errno]}). Each mapped file "
+                f"holds one descriptor while any tensor loaded from it lives; raise the limit (ulimit -n), "
+                f"drop tensors of earlier loads, or load with mmap=False (copies, no descriptor kept)",
+                e.errno, e.strerror, path) from e
         advise_huge_pages(mapping)  # read through this map, the file is cached in large folios
         return mapping
