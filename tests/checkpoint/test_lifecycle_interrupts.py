@@ -179,3 +179,48 @@ def test_the_background_group_keeps_the_training_group_s_deadline(tmp_path):
     # torch's new_group default is 30 minutes: a stalled rank held every wait() and exit that long
     for own_s, training_s in run_ranks(_dedicated_group_deadline, 2, tmp_path):
         assert own_s == training_s == 120
+
+
+def _staging_fails_on_rank_1(rank, world_size, root):
+    import torch.distributed as dist
+
+    import shardkit.checkpoint.api as api
+    from shardkit.errors import AsyncCheckpointError
+
+    real_stage = {"api": api.stage, "async": async_save_module.stage}
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory (simulated)")
+
+    def staging_fails(fails: bool):
+        api.stage = out_of_memory if fails else real_stage["api"]
+        async_save_module.stage = out_of_memory if fails else real_stage["async"]
+
+    seen = {}
+    mgr = CheckpointManager(f"{root}/mgr", group=dist.group.WORLD)
+    ckpt = AsyncCheckpointer(f"{root}/ac", rank, world_size, ShardMetadata(num_ranks=world_size, tensor_specs={}),
+                             group=dist.group.WORLD, overwrite=True)
+    staging_fails(rank == 1)
+    try:
+        mgr.save(1, _state(1))
+        mgr.wait(timeout=60)  # rank 0: the failure arrives at the save's first exchange, not at the timeout
+    except AsyncCheckpointError as e:
+        seen["manager"] = str(e)
+    try:
+        ckpt.save_async(_state(1)).wait(timeout=60)
+    except AsyncCheckpointError as e:
+        seen["checkpointer"] = str(e)
+    staging_fails(False)
+    mgr.save(2, _state(2))   # both go on saving
+    ckpt.save_async(_state(2)).wait(timeout=60)
+    mgr.close()
+    ckpt.close()
+    return seen, mgr.steps()
+
+
+def test_a_staging_failure_on_one_rank_fails_every_rank_s_save_at_once(tmp_path):
+    for rank, (seen, steps) in enumerate(run_ranks(_staging_fails_on_rank_1, 2, tmp_path, str(tmp_path))):
+        assert set(seen) == {"manager", "checkpointer"}, (rank, seen)   # was AsyncWaitTimeout on rank 0
+        assert all("not enough memory (simulated)" in message for message in seen.values()), (rank, seen)
+        assert steps == [2]
+    assert load_consolidated(str(tmp_path / "ac"))["step"] == 2

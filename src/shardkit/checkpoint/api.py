@@ -206,7 +206,7 @@ def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -
     coordinator, rank, world_size = resolve_world(group)
     prep = prepare(state_dict, coordinator, rank, world_size, metadata, rank_state)
     background = background_coordinator(group, coordinator, rank, world_size)
-    stage_for_background(prep, background)
+    stage_for_background(prep, background, dir)
     return start_background(prep, dir, background)
 
 
@@ -214,23 +214,36 @@ def _key(background) -> int:
     return id(getattr(background, "pg", None) or getattr(background, "process_group", None) or background)
 
 
-def stage_for_background(prep, background) -> None:
+def stage_for_background(prep, background, dir) -> None:
     """Copy the tensors ``prep`` writes into CPU buffers, reusing the last save's on this background
     group when it has finished (no allocation, no page faults: most of what a warm call blocks for).
-    The buffers (one CPU copy of this rank's boxes) are kept for the next save."""
+    The buffers (one CPU copy of this rank's boxes) are kept for the next save.
+
+    A failure (out of host memory) raises :class:`AsyncCheckpointError`; with a group, a background
+    save of ``dir`` that only reports it is started first, so the other ranks' saves fail at their
+    first exchange instead of waiting for this rank until the group's timeout."""
     key = _key(background)
     with _BACKGROUND_LOCK:
         previous = _LAST_SAVE.get(key)
         buffers = _STAGING.pop(key, {}) if previous is None or previous.done() else {}
-    prep.to_write, used = stage(prep.to_write, buffers)
+    try:
+        prep.to_write, used = stage(prep.to_write, buffers)
+    except Exception as e:
+        if background is not None:
+            start_background(prep, dir, background, failed=e)._reported = True  # raised below, not at exit
+        raise AsyncCheckpointError(f"staging the save to {dir} failed before anything was written: "
+                                   f"{type(e).__name__}: {e}. Free host memory (or save less) and save again") from e
     with _BACKGROUND_LOCK:
         _STAGING[key] = used
 
 
-def start_background(prep, dir, background, *, before_write=None, after=None) -> CheckpointFuture:
+def start_background(prep, dir, background, *, before_write=None, after=None,
+                     failed: BaseException | None = None) -> CheckpointFuture:
     """Run ``write_and_commit`` for a prepared, staged save on a new thread; ``after()`` runs there
     once the save succeeded (the manager's rotation). The thread is not a daemon: a process whose
-    main thread ends still finishes the save before it exits."""
+    main thread ends still finishes the save before it exits. ``failed``: staging failed on this
+    rank; the thread only tells the other ranks, at the save's first exchange (their saves fail
+    there), and its future carries that failure."""
     storage, directory = storage_for(dir)
     future = CheckpointFuture(os.fspath(dir), f"background checkpoint save (rank {prep.rank})")
     key = _key(background)
@@ -244,7 +257,7 @@ def start_background(prep, dir, background, *, before_write=None, after=None) ->
                 # Saves on one background group run in the order they were started (the same
                 # on every rank): two threads issuing collectives on one group would mismatch.
                 previous.wait_finished()
-            write_and_commit(prep, storage, directory, background, before_write)
+            write_and_commit(prep, storage, directory, background, before_write, failed=failed)
             if after is not None:
                 after()
         except BaseException as e:  # noqa: BLE001 - handed to wait()

@@ -80,7 +80,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardkit.checkpoint.distributed_save import check_may_overwrite, save_distributed
+from shardkit.checkpoint.distributed_save import check_may_overwrite, report_failed_save, save_distributed
 from shardkit.checkpoint.shutdown import destroy_at_exit, join_at_exit
 from shardkit.checkpoint.nested import flatten
 from shardkit.checkpoint.staging import stage
@@ -91,6 +91,14 @@ from shardkit.errors import AsyncCheckpointError, AsyncCheckpointIOError, AsyncW
 __all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]
 
 _WITHDRAWN = object()  # handed to the writer thread instead of a state when staging failed
+
+
+class _StagingFailed:
+    """Handed to the writer thread instead of a state when staging failed on a rank of a group: the
+    thread tells the other ranks at the save's first exchange, so their saves fail there at once."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
 
 
 def _save_staged(staged, dir, rank, world_size, shard_spec, group, *, overwrite: bool) -> None:
@@ -239,8 +247,12 @@ class AsyncCheckpointer:
         try:
             staged = self._stage_checked(state_dict)
         except BaseException as e:
-            handoff.put(_WITHDRAWN)  # the thread ends without writing anything
-            self._release(future)
+            if self.group is not None and isinstance(e, Exception):
+                future._reported = True  # raised here; the thread only tells the other ranks
+                handoff.put(_StagingFailed(e))
+            else:
+                handoff.put(_WITHDRAWN)  # the thread ends without writing anything
+                self._release(future)
             raise AsyncCheckpointError(
                 f"staging the state for the save to {target} failed before anything was written: "
                 f"{type(e).__name__}: {e}"
@@ -346,8 +358,11 @@ class AsyncCheckpointer:
             return  # staging failed; save_async raised and never handed out this future
         error = None
         try:
-            _save_staged(staged, target, self.rank, self.world_size, self.shard_spec, self.group,
-                         overwrite=overwrite)
+            if isinstance(staged, _StagingFailed):
+                report_failed_save(target, self.rank, self.world_size, self.group, staged.error)
+            else:
+                _save_staged(staged, target, self.rank, self.world_size, self.shard_spec, self.group,
+                             overwrite=overwrite)
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             error = e
         finally:

@@ -220,21 +220,25 @@ def _manifest(prep: Prepared, written: list[dict]) -> Manifest:
 
 
 def write_and_commit(prep: Prepared, storage: Storage, directory: str, coordinator,
-                     before_write: Callable[[], None] | None = None) -> None:
+                     before_write: Callable[[], None] | None = None, *, failed: BaseException | None = None) -> None:
     """Write this rank's file and, on rank 0, ``metadata.json`` last; collectives on ``coordinator``.
 
     ``before_write`` runs on rank 0 before anything is touched (the manager
     clears a crashed save's leftovers there); every rank waits for it. Each
     rank holds its writer lock from before the first exchange to the end, so
     a second save into a directory being written fails at once on every rank
-    (``CheckpointBusyError``) and touches nothing.
+    (``CheckpointBusyError``) and touches nothing. ``failed``: this rank
+    could not get its part ready (staging ran out of memory); it touches
+    nothing and reports that at the first exchange, so every rank's save
+    fails there at once instead of waiting for it until the group's timeout.
     """
     with contextlib.ExitStack() as held:
-        _write_and_commit_locked(prep, storage, directory, coordinator, before_write, held)
+        _write_and_commit_locked(prep, storage, directory, coordinator, before_write, held, failed)
 
 
 def _write_and_commit_locked(prep: Prepared, storage: Storage, directory: str, coordinator,
-                             before_write: Callable[[], None] | None, held: contextlib.ExitStack) -> None:
+                             before_write: Callable[[], None] | None, held: contextlib.ExitStack,
+                             failed: BaseException | None) -> None:
     def withdraw():
         # Locked inside the first step: a busy directory fails every rank before anything is touched.
         held.enter_context(storage.writer_lock(
@@ -243,7 +247,7 @@ def _write_and_commit_locked(prep: Prepared, storage: Storage, directory: str, c
             before_write()
         _withdraw(storage, directory, prep.rank)
 
-    _, exc = attempt(withdraw)
+    _, exc = attempt(withdraw) if failed is None else (None, failed)
     agree(coordinator, {"error": describe_error(exc)}, exc, _WITHDRAW_STEP, slot_bytes=_ERROR_SLOT_BYTES)
     written, exc = attempt(lambda: _write_file(storage, directory, prep))
 

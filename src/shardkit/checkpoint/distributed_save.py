@@ -238,6 +238,20 @@ def _refuse_existing(storage: Storage, directory: str, rank: int, world_size: in
             f"(every rank surely finishes, or the plain values differ, e.g. they hold the step)")
 
 
+def report_failed_save(dir, rank: int, world_size: int, group, error: BaseException) -> None:
+    """This rank could not get its part of a ``save_distributed`` of ``dir`` over ``group`` ready
+    (``error``): take part in the save's first exchange with it, so every rank's save raises there
+    instead of waiting for this one until the group's timeout. Touches no file; raises ``error``'s
+    agreed failure, as the other ranks do."""
+    coordinator = resolve_group(group, rank, world_size)
+    storage, directory = storage_for(dir)
+
+    def fail():
+        raise error
+
+    _save_with_group(storage, directory, coordinator, fail)
+
+
 def _save_alone(storage: Storage, directory: str, prep: _Prepared, *, refuse_existing: bool) -> None:
     with _lock(storage, directory, prep.plan):
         if refuse_existing:

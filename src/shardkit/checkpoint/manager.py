@@ -58,8 +58,7 @@ from shardkit.checkpoint.api import (
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.group import broadcast_json
 from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
-from shardkit.errors import (AsyncCheckpointError, AsyncWaitTimeout, CheckpointError, CheckpointExistsError,
-                             MetadataError)
+from shardkit.errors import AsyncWaitTimeout, CheckpointError, CheckpointExistsError, MetadataError
 from shardkit.storage import Storage, storage_for
 
 __all__ = ["CheckpointManager", "step_dir_name"]
@@ -139,7 +138,7 @@ class CheckpointManager:
         clear = lambda: self._clear_leftover(step)  # noqa: E731 - rank 0, before anything is written
         self._writing = step
         if self.async_save:
-            self._future = self._save_in_background(step, prep, directory, clear)
+            self._future = self._save_in_background(prep, directory, clear)
             return
         try:
             write_and_commit(prep, self._storage, directory, self._coordinator, clear)
@@ -150,19 +149,14 @@ class CheckpointManager:
             threading.Thread(target=lambda: (self._rotate_logged(), done.set()), name="shardkit-ckpt-rotate",
                              daemon=False).start()
 
-    def _save_in_background(self, step: int, prep, directory: str, clear):
+    def _save_in_background(self, prep, directory: str, clear):
         background = background_coordinator(self.group, self._coordinator, self.rank, self.world_size)
         self._background = background
         try:
-            stage_for_background(prep, background)
-        except BaseException as e:
+            stage_for_background(prep, background, directory)  # AsyncCheckpointError when it fails
+        except BaseException:
             self._writing = None
-            if not isinstance(e, Exception):
-                raise
-            raise AsyncCheckpointError(
-                f"staging step {step} for its background save failed before anything was written: "
-                f"{type(e).__name__}: {e}. With a group, the other ranks' saves of this step fail once "
-                f"the group's timeout runs out; free host memory (or save less) and save again") from e
+            raise
         return start_background(prep, directory, background, before_write=clear, after=self._after_save)
 
     def restore(self, state_dict, step: int | None = None, *, rank_state=None) -> int | None:
