@@ -35,9 +35,10 @@ from shardkit.hf.index import (
     load_shard_index,
     sharing_of,
 )
-from shardkit.hf.shard_io import _entry, map_shard, read_shard, shard_header
+from shardkit.hf.load_checks import check_shape, check_shards, refuse_missing, require_shard
+from shardkit.hf.shard_io import map_shard, read_shard, shard_header
 from shardkit.hf.sharing import check_ties, create_sharing_metadata, retie_parameters
-from shardkit.hf.untrusted import hostile_input, non_regular_problems, require_regular_file
+from shardkit.hf.untrusted import hostile_input, non_regular_problems
 from shardkit.storage import storage_for
 from shardkit.storage.destinations import shared_destinations
 
@@ -168,10 +169,10 @@ def _load_distributed(model_dir, module, device, strict, assign, keys):
     own = module.state_dict(keep_vars=True)
     own_ties = create_sharing_metadata(module)  # before the load: assign=True breaks them
     saved = read_metadata(model_dir).tensors  # names the module lacks: never an error
-    _refuse_missing(model_dir, own, own_ties, set(saved), strict)
+    refuse_missing(model_dir, own, own_ties, set(saved), strict)
     own_to_stored = _own_to_stored(own, saved, {})
     for name in own_to_stored:
-        _check_shape(name, saved[name].spec.full_shape, own[name].shape)
+        check_shape(name, saved[name].spec.full_shape, own[name].shape)
     tensors = {n: t.to(device) for n, t in load_distributed_flat(model_dir, list(own_to_stored)).items()}
     try:
         module.load_state_dict(tensors, strict=False, assign=assign)
@@ -273,7 +274,7 @@ def _read_files(model_dir, weight_map, names, safetensors, debug, targets=None, 
         path = store.join(root, file_name)
         if debug:
             print(f"shardkit.hf: reading {len(in_file)} tensors from {path}")
-        _require_shard(store, path, file_name, model_dir)
+        require_shard(store, path, file_name, model_dir)
         # The extension decides (the index check allows only the expected one), so a
         # wrong ``safetensors=`` flag cannot send a safetensors file to torch.load.
         if file_name.endswith(".safetensors"):
@@ -285,16 +286,6 @@ def _read_files(model_dir, weight_map, names, safetensors, debug, targets=None, 
 
 def _is_safetensors(file_and_names) -> bool:
     return file_and_names[0].endswith(".safetensors")
-
-
-def _require_shard(store, path: str, file_name: str, model_dir: str) -> None:
-    """``MissingShardError`` if the shard the index names is absent; ``MetadataError`` if it is not a regular file."""
-    if not store.exists(path):
-        raise MissingShardError(
-            f"the index names {file_name}, which is not in {model_dir}; the checkpoint is "
-            f"incomplete (validate_checkpoint reports it) -- load an earlier one"
-        )
-    require_regular_file(store, path)
 
 
 def _read_safetensors(store, path, names, targets, mmap) -> Dict[str, Tensor]:
@@ -333,53 +324,18 @@ def _load_module(model_dir, shard_index, aliases, module, device, safetensors, s
     weight_map = shard_index["weight_map"]
     own = module.state_dict(keep_vars=True)
     own_ties = create_sharing_metadata(module)  # before the load: assign=True breaks them
-    missing = _refuse_missing(model_dir, own, own_ties, set(weight_map) | set(aliases), strict)
+    missing = refuse_missing(model_dir, own, own_ties, set(weight_map) | set(aliases), strict)
     check_ties(module, sharing_of(shard_index), source=f"the index in {model_dir}")
     own_to_stored = _own_to_stored(own, weight_map, aliases)
     targets = {} if assign else _in_place_targets(own, own_to_stored)
     if targets:  # reads in place: refuse what would stop the load part-way before the first one
-        _check_shards(model_dir, weight_map, own, own_to_stored)
+        check_shards(model_dir, weight_map, own, own_to_stored)
     with torch.no_grad():
         loaded = _read_files(model_dir, weight_map, list(own_to_stored.values()), safetensors, debug, targets, mmap)
         _install(module, own, {name: loaded[stored] for name, stored in own_to_stored.items()}, device, assign)
     _retie_from_index(module, model_dir, sharing_of(shard_index))
     retie_parameters(module, _loaded_first(own_ties, set(own_to_stored)))
     return missing
-
-
-def _refuse_missing(model_dir, own, own_ties, provided: Set[str], strict: bool) -> Set[str]:
-    """The module's names the checkpoint does not provide (ties count); with ``strict``, raise if any."""
-    missing = {k for k in own if k not in provided} - _covered_by(own_ties, provided)
-    if strict and missing:
-        raise TensorMismatchError(
-            f"the checkpoint in {model_dir} lacks tensors of the module: missing {sorted(missing)[:10]} "
-            f"({len(missing)}). Load the right checkpoint, or pass strict=False to load what it has. "
-            f"(Tensors the checkpoint has and the module lacks are never an error: a module may be one "
-            f"shard of the model.)"
-        )
-    return missing
-
-
-def _check_shards(model_dir, weight_map, own, own_to_stored: Dict[str, str]) -> None:
-    """Refuse, before the first tensor is read in place, a load that would stop part-way.
-
-    Every file the load reads must be there and a regular file; each
-    safetensors header is read and checked, and must hold the tensors the
-    index places there, in the module's shapes. Metadata only: each header is
-    read again by the load itself (headers are small); tensor bytes are not
-    read, and a ``.bin`` is checked when it is read (before any in-place read,
-    see :func:`_read_files`).
-    """
-    store, root = storage_for(model_dir)
-    stored_to_own = {stored: name for name, stored in own_to_stored.items()}
-    for file_name, in_file in files_to_names(weight_map, list(stored_to_own)).items():
-        path = store.join(root, file_name)
-        _require_shard(store, path, file_name, model_dir)
-        if file_name.endswith(".safetensors"):
-            header = shard_header(store, path)
-            for stored in in_file:
-                name = stored_to_own[stored]
-                _check_shape(name, _entry(header, path, stored).shape, own[name].shape)
 
 
 def _retie_from_index(module, model_dir, groups) -> None:
@@ -425,11 +381,6 @@ def _in_place_targets(own, own_to_stored: Dict[str, str]) -> Dict[str, Tensor]:
     return {stored: own[name] for name, stored in own_to_stored.items() if name not in overlapping}
 
 
-def _covered_by(own_ties, provided: Set[str]) -> Set[str]:
-    """Names the module ties to a name the checkpoint provides (e.g. ``save_pretrained`` drops ``lm_head``)."""
-    return {n for group in own_ties if any(m in provided for m in group) for n in group}
-
-
 def _loaded_first(own_ties, loaded: Set[str]):
     """The module's own tie groups that hold a loaded name, loaded names first: retying them points
     every name at what was loaded (``assign=True`` replaced only the names the files hold), as
@@ -447,18 +398,10 @@ def _install(module: Module, own: Dict[str, Tensor], loaded: Dict[str, Tensor], 
     if not rest:
         return
     for name, t in rest.items():
-        _check_shape(name, t.shape, own[name].shape)
+        check_shape(name, t.shape, own[name].shape)
     if assign:
         rest = {n: t.to(device) for n, t in rest.items()}
     module.load_state_dict(rest, strict=False, assign=assign)
-
-
-def _check_shape(name: str, saved_shape, own_shape) -> None:
-    if tuple(saved_shape) != tuple(own_shape):
-        raise TensorMismatchError(
-            f"tensor {name!r} has shape {list(saved_shape)} in the checkpoint, {list(own_shape)} "
-            f"in the module; the checkpoint is for a different model configuration"
-        )
 
 
 def _read_into(loaded: Tensor, target: Tensor) -> bool:

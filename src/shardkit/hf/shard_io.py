@@ -24,7 +24,7 @@ from shardkit.storage import BufferReader, Storage, byte_view, read_header, read
 from shardkit.storage.destinations import check_disjoint
 from shardkit.storage.read_ahead import prefetch_mapped
 
-__all__ = ["map_shard", "read_shard", "read_shard_into", "shard_header"]
+__all__ = ["indexed_entry", "map_shard", "read_shard", "read_shard_into", "shard_header"]
 
 
 _FIX = "the shard is corrupt, truncated or not safetensors; restore it or load an earlier checkpoint"
@@ -70,7 +70,7 @@ def read_shard(storage: Storage, path: str, names: list[str], buffer_for) -> dic
         header = _checked_header(reader, path)
         buffers, reads = {}, []
         for name in names:
-            entry = _entry(header, path, name)
+            entry = indexed_entry(header, path, name)
             out = buffers[name] = buffer_for(name, entry)
             _check_entry(path, name, entry, out)
             reads.append((entry.begin, byte_view(out)))
@@ -101,7 +101,7 @@ def map_shard(storage: Storage, path: str, names: list[str]) -> dict[str, torch.
         header = _checked_header(in_memory, path)
     out, copies, spans = {}, [], []
     for name in names:
-        entry = _entry(header, path, name)
+        entry = indexed_entry(header, path, name)
         dtype = from_safetensors_name(entry.dtype)
         itemsize = itemsize_bytes(dtype)
         numel = (entry.end - entry.begin) // itemsize
@@ -117,7 +117,8 @@ def map_shard(storage: Storage, path: str, names: list[str]) -> dict[str, torch.
     return out
 
 
-def _entry(header, path: str, name: str):
+def indexed_entry(header, path: str, name: str):
+    """The header entry of ``name``, which the index places in ``path``; ``MetadataError`` if the file lacks it."""
     entry = header.tensors.get(name)
     if entry is None:
         raise MetadataError(
