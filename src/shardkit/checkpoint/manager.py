@@ -60,14 +60,13 @@ from shardkit.checkpoint.group import broadcast_json
 from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
 from shardkit.errors import AsyncWaitTimeout, CheckpointError, CheckpointExistsError, MetadataError
 from shardkit.storage import Storage, storage_for
+from shardkit.storage.json_io import NON_FINITE, non_finite_name
 
 __all__ = ["CheckpointManager", "step_dir_name"]
 
 # ASCII digits, no leading zero, nothing after: one name per step (``step_dir_name``).
 _STEP_DIR = re.compile(r"step-(0|[1-9][0-9]{0,17})")
 _KEY = "shardkit.manager"
-#: How a non-finite metric is stored (JSON has no NaN); ``metrics()`` gives the float back.
-_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 log = logging.getLogger(__name__)
 
 
@@ -182,7 +181,7 @@ class CheckpointManager:
         """The metrics saved with ``step`` (a NaN or infinite value comes back as that float)."""
         m = read_manifest(self._storage, self.step_dir(step))
         saved = dict((m.user_metadata.get(_KEY) or {}).get("metrics") or {})
-        return {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in saved.items()}
+        return {k: NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in saved.items()}
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the save and rotation in flight, if any; raise a failed save's error.
@@ -342,7 +341,7 @@ def _left_s(deadline: float | None) -> float | None:
 
 
 def _encode_metrics(metrics) -> dict:
-    """``metrics`` as JSON numbers (a non-finite one by its ``_NON_FINITE`` name); ``MetadataError``
+    """``metrics`` as JSON numbers (a non-finite one by its ``json_io.NON_FINITE`` name); ``MetadataError``
     naming the key for anything else. Runs before anything is waited for or written."""
     if metrics is None:
         return {}
@@ -364,7 +363,7 @@ def _metric_value(key: str, value):
                             f"(pass float(...) of it)")
     if isinstance(number, int) or math.isfinite(number):
         return number
-    return "NaN" if math.isnan(number) else ("Infinity" if number > 0 else "-Infinity")
+    return non_finite_name(number)  # JSON has no NaN; metrics() gives the float back
 
 
 def _as_number(value):

@@ -18,6 +18,8 @@ import json
 import math
 from typing import Any
 
+from shardkit.storage.json_io import non_finite_name
+
 __all__ = ["json_text"]
 
 
@@ -29,7 +31,7 @@ def json_text(obj: Any, *, indent: int | None = 2, default=None) -> str:
 
 def _finite(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
-        return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
+        return non_finite_name(obj)
     if isinstance(obj, dict):
         return {k: _finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -43,7 +43,15 @@ from shardkit import knobs
 from shardkit.errors import MetadataError
 
 __all__ = ["parse_json_object", "gc_paused", "json_depth", "expect_int", "expect_str", "expect_list", "expect_dict",
-           "short_repr"]
+           "short_repr", "NON_FINITE", "non_finite_name"]
+
+#: The strings a NaN or infinite float is written as where JSON must hold it (JSON numbers cannot), and back.
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def non_finite_name(value: float) -> str:
+    """``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` for a float that is not finite (its ``NON_FINITE`` key)."""
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 _SCAN_CHUNK_BYTES = 1 << 20
 _DELTA = np.zeros(256, dtype=np.int8)
