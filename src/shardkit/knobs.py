@@ -197,6 +197,26 @@ COMM_ABORT_POLL_MAX_S: float = 0.4
 #: itself, in case the backend's own timeout does not fire.
 COMM_TIMEOUT_SLACK_S: float = 2.0
 
+#: How an NCCL group's CUDA collectives wait; read when the group is built.
+#: False (torch's way): a call returns once its work is queued, and later
+#: work on the same CUDA stream sees the result; the host runs ahead of the
+#: GPU. A collective that overruns the group's timeout (a dead peer) is then
+#: caught by NCCL's watchdog, which ends the process (torch's default
+#: ``TORCH_NCCL_ASYNC_ERROR_HANDLING``; torchrun restarts it), and
+#: ``AbortHandle.abort()`` aborts the communicator so the GPU is freed.
+#: True: the calling thread also waits until the GPU has finished the
+#: collective, so a dead peer raises ``CommTimeoutError`` (and ``abort()``
+#: ``CommAbortedError``) in that thread, as on Gloo, and the communicator is
+#: aborted so the GPU is freed; NCCL's watchdog is given
+#: ``COMM_TIMEOUT_SLACK_S + NCCL_WATCHDOG_MARGIN_S`` more, to stay a backstop.
+#: It costs the host's run-ahead: each call returns only when its GPU work is
+#: done. The same trade as torch's ``TORCH_NCCL_BLOCKING_WAIT``.
+COMM_NCCL_BLOCKING_WAIT: bool = False
+
+#: Extra time NCCL's own watchdog gets, past the group's deadline, when
+#: ``COMM_NCCL_BLOCKING_WAIT`` is on (so shardkit's error is raised first).
+NCCL_WATCHDOG_MARGIN_S: float = 30.0
+
 #: When True, every collective first exchanges a 8-byte digest of its
 #: arguments (op, shapes, dtypes) so ranks that disagree get a clear
 #: CommArgumentError at once instead of a backend error or a timeout. Costs

@@ -4,6 +4,7 @@ Skipped without CUDA (tests/conftest.py). One GPU is enough for all but the
 DeviceGroup collectives, which need two.
 """
 
+import copy
 import threading
 import warnings
 
@@ -52,23 +53,25 @@ def test_fallback_copies_through_host_and_warns_every_call(monkeypatch):
     results = [None, None]
 
     def rank(g):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("default")
-            t = torch.full((3,), float(g.rank + 1), device="cuda")
-            g.all_reduce_([t])
-            g.all_reduce_([t])
-            gathered = g.all_gather(torch.tensor([g.rank], device="cuda"))
-        results[g.rank] = (t, gathered, [w for w in caught if issubclass(w.category, GpuFallbackWarning)])
+        t = torch.full((3,), float(g.rank + 1), device="cuda")
+        g.all_reduce_([t])
+        g.all_reduce_([t])
+        results[g.rank] = (t, g.all_gather(torch.tensor([g.rank], device="cuda")))
 
-    threads = [threading.Thread(target=rank, args=(g,)) for g in gs]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    t, gathered, warned = results[0]
+    # Recorded here, around both threads: catch_warnings swaps process-wide state,
+    # so one per thread would lose the other thread's warnings.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        threads = [threading.Thread(target=rank, args=(g,)) for g in gs]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+    t, gathered = results[0]
     assert t.is_cuda and t.tolist() == [6.0, 6.0, 6.0]
     assert [x.item() for x in gathered] == [0, 1] and gathered[0].is_cuda
-    assert len(warned) == 3  # one per call, never deduplicated
+    warned = [w for w in caught if issubclass(w.category, GpuFallbackWarning)]
+    assert len(warned) == 6  # one per call on each rank, never deduplicated
 
 
 @two_gpus
@@ -109,3 +112,22 @@ def test_device_group_broadcasts_dtypes_nccl_has_no_type_for():
     scalar = [torch.tensor(0.0, device="cuda:0"), torch.tensor(2.5, device="cuda:1")]
     dg.broadcast_(scalar, root=1)
     assert scalar[0].item() == 2.5
+
+
+@needs_nccl
+@pytest.mark.parametrize("host_wait", [False, True])
+def test_ddp_on_a_one_gpu_nccl_group_matches_local_gradients(monkeypatch, host_wait):
+    from shardkit import knobs
+    from shardkit.ddp import DistributedDataParallel
+
+    monkeypatch.setattr(knobs, "COMM_NCCL_BLOCKING_WAIT", host_wait)
+    (g,) = Group.local(1, backend="nccl")
+    torch.manual_seed(0)
+    local = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)).cuda()
+    model = DistributedDataParallel(copy.deepcopy(local), g)
+    x = torch.randn(8, 32, device="cuda")
+    local(x).square().sum().backward()
+    model(x).square().sum().backward()
+    for a, b in zip(local.parameters(), model.module.parameters()):
+        assert b.grad.is_cuda and torch.allclose(a.grad, b.grad)
+    g.close()

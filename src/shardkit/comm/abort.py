@@ -85,10 +85,10 @@ class _Completion:
         except RuntimeError:
             # Gloo's send/recv and reduce_scatter works have no future and never
             # report is_completed(); only wait() tells, so a helper thread waits.
-            self._threaded = True
+            self.threaded = True
             threading.Thread(target=self._wait_in_thread, daemon=True).start()
             return
-        self._threaded = False
+        self.threaded = False
         fut.add_done_callback(self._on_done)
 
     def _on_done(self, _fut) -> None:
@@ -108,12 +108,12 @@ class _Completion:
         """Raise the work's error, if it failed (call once ``done``)."""
         if self.error is not None:
             raise self.error
-        if not self._threaded:
+        if not self.threaded:
             self._work.wait()  # already complete: returns at once or raises the backend's error
 
 
 def wait_work(work, *, what: str, timeout: timedelta, handle: AbortHandle, backend_wait: bool = False,
-              has_future: bool | None = None) -> None:
+              has_future: bool | None = None, gpu_host_wait: bool = False) -> None:
     """Block until ``work`` completes; raise a ``CommError`` on abort, timeout or failure.
 
     ``backend_wait`` (Gloo) waits inside the backend in slices that double
@@ -122,6 +122,12 @@ def wait_work(work, *, what: str, timeout: timedelta, handle: AbortHandle, backe
     wake-up, since a Python callback would need extra thread switches.
     ``has_future``: whether the work has a future (None: ask it, which costs
     a call into the backend; callers that know, e.g. all_reduce, say so).
+    ``gpu_host_wait`` (an NCCL group with ``knobs.COMM_NCCL_BLOCKING_WAIT``):
+    an NCCL work's future completes once the work is queued, so the wait then
+    polls ``work.is_completed()`` (a CUDA event query) until the GPU has
+    finished it, under the same deadline and abort flag. Without it a CUDA
+    collective is waited for as torch waits: the current stream is ordered
+    after it, the host is not.
     """
     deadline = time.monotonic() + timeout.total_seconds() + knobs.COMM_TIMEOUT_SLACK_S
     if backend_wait and (has_future if has_future is not None else _has_future(work)):
@@ -134,6 +140,8 @@ def wait_work(work, *, what: str, timeout: timedelta, handle: AbortHandle, backe
             _check(what, deadline, handle, timeout)
         if not c.done:
             _check(what, deadline, handle, timeout)  # woken by abort(): raises CommAbortedError
+        if gpu_host_wait and not c.threaded:
+            _wait_for_gpu(work, what, deadline, handle, timeout)
     finally:
         handle._remove(c.event)
     try:
@@ -172,6 +180,20 @@ def _wait_in_backend(work, what, deadline, handle, timeout) -> None:
                 _finish_completed(work, what, timeout)
                 return
         slice_s = min(2 * slice_s, cap_s)
+
+
+def _wait_for_gpu(work, what, deadline, handle, timeout) -> None:
+    # Pauses grow from a bare yield to _GPU_POLL_MAX_S: a short collective costs
+    # a few event queries, a long one at most that much latency past its end.
+    pause_s = 0.0
+    while not work.is_completed():
+        _check(what, deadline, handle, timeout)
+        time.sleep(pause_s)
+        pause_s = min(max(2 * pause_s, 1e-5), _GPU_POLL_MAX_S)
+
+
+#: The longest pause between two queries of a CUDA collective's completion.
+_GPU_POLL_MAX_S = 1e-3
 
 
 def _finish_completed(work, what, timeout) -> None:

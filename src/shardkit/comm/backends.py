@@ -16,14 +16,17 @@ Example::
 from __future__ import annotations
 
 import itertools
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from shardkit import knobs
 from shardkit.errors import CommArgumentError, UnsupportedOpError
 
-__all__ = ["resolve_backend", "build_process_group", "init_default_group"]
+__all__ = ["resolve_backend", "build_process_group", "init_default_group", "extend_nccl_watchdog",
+           "abort_process_group"]
 
 _names = itertools.count()
 
@@ -85,6 +88,50 @@ def build_process_group(store, rank: int, size: int, backend: str, timeout: time
     pg._set_group_name(name)
     pg._set_group_desc(name)
     return pg
+
+
+def _nccl_backend(pg):
+    try:
+        return pg._get_backend(torch.device("cuda"))
+    except (RuntimeError, ValueError):  # no NCCL backend registered (a Gloo-only group)
+        return None
+
+
+def extend_nccl_watchdog(pg, timeout: timedelta) -> None:
+    """Give ``pg``'s NCCL watchdog the group's deadline plus ``knobs.NCCL_WATCHDOG_MARGIN_S``.
+
+    For groups that wait on the host (``knobs.COMM_NCCL_BLOCKING_WAIT``), so
+    shardkit's ``CommTimeoutError`` comes before the watchdog ends the process.
+    """
+    nccl = _nccl_backend(pg)
+    if nccl is not None:
+        extra_s = knobs.COMM_TIMEOUT_SLACK_S + knobs.NCCL_WATCHDOG_MARGIN_S
+        nccl._set_default_timeout(timeout + timedelta(seconds=extra_s))
+
+
+def abort_process_group(pg, backend: str) -> None:
+    """Abort ``pg``'s backends, best effort; with NCCL, on a daemon thread, returning at once.
+
+    Aborting NCCL's communicators makes kernels that wait on a dead peer
+    return, but ``ncclCommAbort`` first waits for kernels already queued
+    behind other GPU work, so the thread that gives up on a collective must
+    not wait for it.
+    """
+    if backend != "nccl":
+        _abort(pg)
+        return
+    threading.Thread(target=_abort, args=(pg,), name="shardkit-nccl-abort", daemon=True).start()
+
+
+def _abort(pg) -> None:
+    # The NCCL backend first and by itself: the wrapper's abort may stop at another backend's error.
+    for target in (_nccl_backend(pg), pg):
+        if target is None:
+            continue
+        try:
+            target.abort()
+        except Exception:  # noqa: BLE001 - a backend without abort, or one already gone
+            pass
 
 
 def init_default_group(store, rank: int, size: int, backend: str, timeout: timedelta):

@@ -3,8 +3,11 @@
 Each method validates its arguments, applies the GPU-tensor rule, issues the
 torch ``ProcessGroup`` call asynchronously and waits through
 :func:`~shardkit.comm.abort.wait_work`, so nothing here can hang past the
-group's timeout or an abort. Shapes are not exchanged between ranks (that
-would cost a second round trip), so ranks that pass different shapes or
+group's timeout or an abort. On an NCCL group a CUDA collective is waited
+for as torch waits (the current stream, not the host, is ordered after it)
+unless ``knobs.COMM_NCCL_BLOCKING_WAIT`` was set when the group was built.
+Shapes are not exchanged between ranks (that would cost a second round
+trip), so ranks that pass different shapes or
 dtypes are not caught here: the backend may raise a ``CommError``, time out,
 return wrong values (an ``all_reduce`` or ``broadcast`` whose sizes differ),
 or, with Gloo's ``all_gather``, abort the process. Set

@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 from shardkit.comm.abort import AbortHandle, translate_failure, wait_work
-from shardkit.comm.backends import build_process_group, init_default_group, resolve_backend
+from shardkit import knobs
+from shardkit.comm.backends import (
+    abort_process_group,
+    build_process_group,
+    extend_nccl_watchdog,
+    init_default_group,
+    resolve_backend,
+)
 from shardkit.comm.collectives import Collectives
 from shardkit.comm.unique_id import UniqueId
 from shardkit.errors import CommAbortedError, CommArgumentError, CommError, CommTimeoutError, InvalidRankError
@@ -122,6 +129,10 @@ class Group(Collectives):
         self._failure: str | None = None
         self._split_seq = 0
         self._abort = AbortHandle(on_abort=self._backend_abort)
+        # Read once: the NCCL watchdog's timeout below must match how this group waits.
+        self._gpu_host_wait = backend == "nccl" and knobs.COMM_NCCL_BLOCKING_WAIT
+        if self._gpu_host_wait:
+            extend_nccl_watchdog(pg, timeout)
 
     # --- construction ------------------------------------------------------
 
@@ -239,7 +250,7 @@ class Group(Collectives):
     def _backend_abort(self) -> None:
         if self._pg is not None:
             _UNSAFE_TO_DESTROY.append(self._pg)  # its thread may be blocked; see close()
-            self._pg.abort()
+            abort_process_group(self._pg, self.backend)
 
     def _check_usable(self, what: str) -> None:
         if self._abort.is_aborted:
@@ -257,11 +268,14 @@ class Group(Collectives):
     def _wait(self, work, what: str, has_future: bool | None = None) -> None:
         try:
             wait_work(work, what=what, timeout=self._timeout, handle=self._abort,
-                      backend_wait=self.backend == "gloo", has_future=has_future)
+                      backend_wait=self.backend == "gloo", has_future=has_future,
+                      gpu_host_wait=self._gpu_host_wait)
         except CommError as e:
             if not self._abort.is_aborted:
                 self._failure = type(e).__name__
                 _UNSAFE_TO_DESTROY.append(self._pg)
+                if self._gpu_host_wait:
+                    abort_process_group(self._pg, self.backend)  # frees a GPU stuck in the collective
             raise
 
     def close(self) -> None:
