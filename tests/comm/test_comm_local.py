@@ -250,3 +250,29 @@ def test_argument_check_turns_a_mismatch_into_a_clear_error(monkeypatch):
 
     for errors in on_threads(gs, body):
         assert len(errors) == 3 and all("ranks [1]" in e for e in errors)
+
+
+class _RefusingPG:
+    """A process group whose every call fails as it is started, as NCCL's set-up can."""
+
+    def __getattr__(self, name):
+        def refuse(*args, **kwargs):
+            raise RuntimeError("NCCL error: invalid usage; Duplicate GPU detected")
+        return refuse
+
+
+@pytest.mark.parametrize("call", [
+    lambda g: g.all_reduce(torch.ones(2)),
+    lambda g: g.broadcast_([torch.ones(2)], root=0),
+    lambda g: g.all_gather(torch.ones(2)),
+    lambda g: g.barrier(),
+])
+def test_a_backend_refusing_to_start_a_work_is_a_comm_error(call):
+    (g,) = Group.local(1)
+    real, g._pg = g._pg, _RefusingPG()
+    try:
+        with pytest.raises(CommError, match="could not start it.*Duplicate GPU"):
+            call(g)
+    finally:
+        g._pg = real
+        g.close()

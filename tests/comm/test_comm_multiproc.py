@@ -29,7 +29,8 @@ def _value(rank, dtype):
 def _battery(rank, world_size, uid_bytes):
     """Every collective, op and main dtype on one 4-rank group; returns a dict of results."""
     out = {}
-    with Group.init_rank(rank, world_size, UniqueId.from_bytes(uid_bytes), timeout=30) as g:
+    # Gloo named: "auto" would pick NCCL on a machine with a GPU, and this battery is Gloo's.
+    with Group.init_rank(rank, world_size, UniqueId.from_bytes(uid_bytes), backend="gloo", timeout=30) as g:
         assert (g.rank, g.world_size, g.backend) == (rank, world_size, "gloo")
         for dtype in DTYPES:
             for op in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG):

@@ -131,3 +131,20 @@ def test_ddp_on_a_one_gpu_nccl_group_matches_local_gradients(monkeypatch, host_w
     for a, b in zip(local.parameters(), model.module.parameters()):
         assert b.grad.is_cuda and torch.allclose(a.grad, b.grad)
     g.close()
+
+
+def _two_ranks_one_gpu(rank, world_size, uid_bytes):
+    from shardkit.comm import UniqueId
+
+    with Group.init_rank(rank, world_size, UniqueId.from_bytes(uid_bytes), backend="nccl", timeout=30) as g:
+        g.barrier()  # torch's NCCL barrier would put both ranks on one GPU: "Duplicate GPU detected"
+        total = g.all_reduce(torch.tensor([rank + 1.0]))  # CPU tensors: the group's Gloo side
+        g.barrier()
+        return total.item()
+
+
+@needs_nccl
+def test_barrier_on_an_nccl_group_touches_no_gpu():
+    from comm_ranks import spawn_ranks
+
+    assert spawn_ranks(_two_ranks_one_gpu, 2) == [3.0, 3.0]

@@ -56,7 +56,8 @@ def _one_tensor(tensor, what: str) -> torch.Tensor:
 
 class Collectives:
     """Collective operations; the host class provides ``_pg``, ``rank``, ``world_size``,
-    ``backend``, ``_check_usable(what)`` and ``_wait(work, what)``."""
+    ``backend``, ``_check_usable(what)``, ``_issue(what, fn, *args)`` (start a work),
+    ``_wait(work, what)`` and ``_call(what, fn, *args)`` (both)."""
 
     # --- routing -----------------------------------------------------------
 
@@ -80,7 +81,7 @@ class Collectives:
         digest = int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=7).digest(), "little")
         mine = torch.tensor([digest], dtype=torch.int64)
         everyone = torch.empty(self.world_size, dtype=torch.int64)
-        self._wait(self._pg._allgather_base(everyone, mine), f"{what} (argument check)")
+        self._call(f"{what} (argument check)", self._pg._allgather_base, everyone, mine)
         differ = [r for r, d in enumerate(everyone.tolist()) if d != everyone[0].item()]
         if differ:
             raise CommArgumentError(
@@ -143,7 +144,7 @@ class Collectives:
             wire = to_wire(flat, plan)
             opts = dist.AllreduceOptions()
             opts.reduceOp = plan.torch_op
-            pending.append((self._pg.allreduce([wire], opts), wire, flat, plan, group))
+            pending.append((self._issue("all_reduce_", self._pg.allreduce, [wire], opts), wire, flat, plan, group))
         for work, wire, flat, plan, group in pending:
             self._wait(work, "all_reduce_", has_future=True)  # allreduce works carry a future
             finish(wire, flat, plan, self.world_size)
@@ -175,7 +176,7 @@ class Collectives:
         wire_out = to_wire(out, plan)
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = plan.torch_op
-        self._wait(self._pg._reduce_scatter_base(wire_out, wire_in, opts), "reduce_scatter")
+        self._call("reduce_scatter", self._pg._reduce_scatter_base, wire_out, wire_in, opts)
         finish(wire_out, out, plan, self.world_size)
 
     # --- data movement -----------------------------------------------------
@@ -207,7 +208,7 @@ class Collectives:
             flat = pack_bytes(group)
             opts = dist.BroadcastOptions()
             opts.rootRank, opts.rootTensor = root, 0
-            pending.append((self._pg.broadcast([flat], opts), flat, group))
+            pending.append((self._issue("broadcast_", self._pg.broadcast, [flat], opts), flat, group))
         for work, flat, group in pending:
             self._wait(work, "broadcast_")
             if self.rank != root:
@@ -224,7 +225,7 @@ class Collectives:
             src = tensor.detach().cpu()
         flat_in = src.detach().contiguous().reshape(-1).view(torch.uint8)
         flat_out = torch.empty(flat_in.numel() * self.world_size, dtype=torch.uint8, device=src.device)
-        self._wait(self._pg._allgather_base(flat_out, flat_in), "all_gather")
+        self._call("all_gather", self._pg._allgather_base, flat_out, flat_in)
         parts = [c.view(tensor.dtype).view(tensor.shape) for c in flat_out.chunk(self.world_size)]
         return [p.to(tensor.device) for p in parts] if src is not tensor else parts
 
@@ -250,22 +251,30 @@ class Collectives:
         out = [torch.empty_like(flat_in) for _ in range(self.world_size)] if mine else []
         opts = dist.GatherOptions()
         opts.rootRank = root
-        self._wait(self._pg.gather([out] if mine else [], [flat_in], opts), f"gather to rank {root}")
+        self._call(f"gather to rank {root}", self._pg.gather, [out] if mine else [], [flat_in], opts)
         if not mine:
             return None
         return [p.view(tensor.dtype).view(tensor.shape).to(tensor.device) for p in out]
 
     def barrier(self) -> None:
-        """Return once every rank of the group has called ``barrier``."""
+        """Return once every rank of the group has called ``barrier``.
+
+        A host barrier, on every backend: an NCCL group runs it on its Gloo
+        side, so no GPU is touched and no device is guessed (torch's NCCL
+        barrier picks one from the rank). CUDA collectives queued before it
+        may still be running on the GPU; synchronize first if that matters.
+        """
         self._check_usable("barrier")
-        self._wait(self._pg.barrier(), "barrier")
+        opts = dist.BarrierOptions()
+        opts.device = torch.device("cpu")
+        self._call("barrier", self._pg.barrier, opts)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` to rank ``dst``, which must call ``recv`` with the same shape and dtype."""
         tensor = _one_tensor(tensor, "send")
         self._check_peer(dst, "dst", "send")
         self._run([tensor.detach().contiguous()], "send", None,
-                  lambda ts: self._wait(self._pg.send(ts, dst, 0), f"send to rank {dst}"), written=())
+                  lambda ts: self._call(f"send to rank {dst}", self._pg.send, ts, dst, 0), written=())
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         """Receive into ``tensor`` (in place) what rank ``src`` sent with ``send``."""
@@ -275,7 +284,7 @@ class Collectives:
 
     def _recv_into(self, tensor, src: int) -> None:
         buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        self._wait(self._pg.recv([buf], src, 0), f"recv from rank {src}")
+        self._call(f"recv from rank {src}", self._pg.recv, [buf], src, 0)
         if buf is not tensor:
             tensor.detach().copy_(buf)
 

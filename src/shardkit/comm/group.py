@@ -265,6 +265,18 @@ class Group(Collectives):
                 "create a new group"
             )
 
+    def _issue(self, what: str, fn, *args):
+        """``fn(*args)``: start a backend work; a backend that refuses at once raises a ``CommError``."""
+        try:
+            return fn(*args)
+        except RuntimeError as e:  # DistBackendError, c10::Error: e.g. NCCL's set-up, a peer already gone
+            raise CommError(f"{what}: the {self.backend} backend could not start it. "
+                            f"Backend said: {str(e).strip()[:400]}") from e
+
+    def _call(self, what: str, fn, *args) -> None:
+        """Start a work with ``fn(*args)`` and wait for it."""
+        self._wait(self._issue(what, fn, *args), what)
+
     def _wait(self, work, what: str, has_future: bool | None = None) -> None:
         try:
             wait_work(work, what=what, timeout=self._timeout, handle=self._abort,
