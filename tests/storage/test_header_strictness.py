@@ -55,9 +55,12 @@ MALFORMED = {
         "{" + _entry("a", "F32", [1], 0, 4) + "," + _entry("b", "F32", [1], 8, 12) + "}", _DATA[:12],
         "tensor 'b' begins at data byte 8, but the tensor before it, 'a', ends at 4"),
     "first tensor at an unaligned offset (the review's H5 'unaligned')": (
-        "{" + _entry("a", "F32", [1], 1, 5) + "}", _DATA[:5], "tensor 'a' begins at data byte 1"),
+        "{" + _entry("a", "F32", [1], 1, 5) + "}", _DATA[:5],
+        "tensor 'a' begins at data byte 1, but the first tensor must begin at 0: 1 byte belongs to no tensor"),
+    "one byte after the last tensor": (
+        "{" + _entry("a", "F32", [2], 0, 8) + "}", _DATA[:9], "the last byte belongs to no tensor"),
     "bytes after the last tensor": (
-        "{" + _entry("a", "F32", [2], 0, 8) + "}", _DATA[:12], "the last 4 belong to no tensor"),
+        "{" + _entry("a", "F32", [2], 0, 8) + "}", _DATA[:12], "the last 4 bytes belong to no tensor"),
     "no tensors, but data": ("{}", _DATA[:8], "describes no tensors"),
 }
 

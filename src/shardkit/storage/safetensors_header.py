@@ -302,11 +302,16 @@ def _first_gap(packed: dict[str, tuple], data_bytes: int) -> str:
             where = "the first tensor must begin at 0" if before is None else \
                 f"the tensor before it, {short_repr(before)}, ends at {expected}"
             return (f"tensor {short_repr(name)} begins at data byte {begin}, but {where}: "
-                    f"{begin - expected} bytes belong to no tensor")
+                    f"{_bytes_belong(begin - expected)} to no tensor")
         expected, before = end, name
     described = "no tensors" if before is None else f"tensors up to data byte {expected} (the last: {short_repr(before)})"
-    return (f"its header describes {described}, but the file holds {data_bytes} bytes of data: the last "
-            f"{data_bytes - expected} belong to no tensor")
+    extra = data_bytes - expected
+    last = "the last byte belongs" if extra == 1 else f"the last {extra} bytes belong"
+    return f"its header describes {described}, but the file holds {data_bytes} bytes of data: {last} to no tensor"
+
+
+def _bytes_belong(count: int) -> str:
+    return "1 byte belongs" if count == 1 else f"{count} bytes belong"
 
 
 def _check_layout(file_name: str, packed: dict[str, tuple], data_start: int) -> int:
