@@ -16,7 +16,7 @@ from comm_ranks import spawn_ranks
 from comm_threads import on_threads
 from shardkit.comm import Group, UniqueId
 from shardkit.ddp import DistributedDataParallel
-from shardkit.errors import CommError
+from shardkit.errors import CommError, UnsupportedOpError
 
 F64 = torch.float64
 TINY_BUCKETS_MB = 200 / 2**20  # ~200 bytes: several buckets, launched during backward
@@ -175,7 +175,7 @@ def _frozen_and_unused(group):
     return frozen_at_start, params_of(net.frozen), grads, params_of_grads(solo.b)
 
 
-def test_frozen_param_is_broadcast_only_and_unused_param_counts_as_zero(groups2):
+def test_frozen_param_is_broadcast_only_and_unused_param_counts_as_zero_where_another_rank_used_it(groups2):
     (f_start0, f0, g0, solo_b), (f_start1, f1, g1, _) = on_threads(groups2, _frozen_and_unused)
     assert not torch.equal(f_start0[0], f_start1[0])  # they did start different
     assert all(torch.equal(a, b) for a, b in zip(f0, f1))
@@ -186,8 +186,8 @@ def test_frozen_param_is_broadcast_only_and_unused_param_counts_as_zero(groups2)
             assert torch.equal(g0[name], g1[name]), name
     # b used on rank 0 only: average of rank 0's gradient and zero
     torch.testing.assert_close(g0["b.weight"], solo_b[0] / 2, rtol=1e-12, atol=1e-12)
-    # never used anywhere: a zero gradient (documented), not None
-    assert torch.equal(g0["never.weight"], torch.zeros(1, 4, dtype=F64))
+    # never used anywhere: no gradient, as in one process (an optimizer then skips it)
+    assert g0["never.weight"] is None and g1["never.weight"] is None
 
 
 def test_world_size_one_and_no_group_are_pass_through():
@@ -259,3 +259,192 @@ def test_a_dropped_wrapper_stops_reducing_so_the_module_can_be_wrapped_again(gro
         for g in fresh:
             g.close()
     assert_all_close(g0, g1)  # averaged on the fresh group, equal on both ranks
+
+
+# --- found by review: wrong or diverging gradients ---------------------------------------------
+
+
+def _chain(seed: int) -> nn.Module:
+    with INIT_LOCK:
+        torch.manual_seed(seed)
+        return nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(6)]).to(F64)
+
+
+def _x(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _two_wrappers(group, steps):
+    a, b = _chain(1), _chain(2)
+    da = DistributedDataParallel(a, group, bucket_cap_mb=64 / 2**20)
+    db = DistributedDataParallel(b, group, bucket_cap_mb=64 / 2**20)
+    out = []
+    for s in range(steps):
+        for p in [*a.parameters(), *b.parameters()]:
+            p.grad = None
+        db(da(_x(s, group.rank))).pow(2).sum().backward()
+        out.append(params_of_grads(a) + params_of_grads(b))
+    return out
+
+
+def test_two_wrappers_on_one_group_average_like_one_process(groups2):
+    # Each wrapper had its own communication thread: two threads issued collectives on one group, in
+    # an order that differed between the ranks, and most steps got wrong, diverging gradients.
+    steps = 40
+    r0, r1 = on_threads(groups2, _two_wrappers, steps)
+    a, b = _chain(1), _chain(2)
+    for s in range(steps):
+        for p in [*a.parameters(), *b.parameters()]:
+            p.grad = None
+        for r in range(2):
+            (b(a(_x(s, r))).pow(2).sum() / 2).backward()
+        assert_all_close(r0[s], params_of_grads(a) + params_of_grads(b))
+        assert all(torch.equal(u, v) for u, v in zip(r0[s], r1[s]))
+
+
+class _FailOnce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fail):
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fail:
+            raise RuntimeError("a bad batch")
+        return grad, None
+
+
+def _biased(seed: int) -> nn.Module:
+    with INIT_LOCK:
+        torch.manual_seed(seed)
+        return nn.Linear(4, 4).to(F64)
+
+
+def _retry_after_a_failed_backward(group):
+    a, b = _biased(3), _biased(4)
+    fail = [True]
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = a, b
+
+        def forward(self, x):
+            return self.b(_FailOnce.apply(self.a(x), fail[0]))
+
+    # 160-byte buckets: b's weight and bias share the first one, launched before the failure
+    ddp = DistributedDataParallel(Net(), group, bucket_cap_mb=160 / 2**20)
+    x = torch.ones(2, 4, dtype=F64) * (group.rank + 1)
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        ddp(x).sum().backward()
+    for p in ddp.parameters():  # optimizer.zero_grad(set_to_none=False), as the reduction still runs
+        if p.grad is not None:
+            p.grad.zero_()
+    fail[0] = False
+    ddp(x).sum().backward()
+    return params_of_grads(ddp.module)
+
+
+def test_a_failed_backward_leaves_nothing_that_lands_in_the_next_steps_gradients(groups2, monkeypatch):
+    # The reduction of a bucket launched before backward raised went on, and copied its result into
+    # p.grad after the user had zeroed it: the retried step got the failed step's average added in.
+    import shardkit.comm.collectives as collectives
+
+    real_unpack = collectives.unpack
+
+    def late_unpack(flat, tensors):  # a slow link: the result lands after zero_grad
+        import time
+
+        time.sleep(0.3)
+        real_unpack(flat, tensors)
+
+    monkeypatch.setattr(collectives, "unpack", late_unpack)
+    g0, g1 = on_threads(groups2, _retry_after_a_failed_backward)
+    a, b = _biased(3), _biased(4)
+    for r in range(2):
+        (b(a(torch.ones(2, 4, dtype=F64) * (r + 1))).sum() / 2).backward()
+    assert_all_close(g0, params_of_grads(a) + params_of_grads(b))
+    assert_all_close(g1, g0)
+
+
+def _freeze_and_unfreeze_after_wrapping(group):
+    net = make_net(seed=5 + group.rank)
+    ddp = DistributedDataParallel(net, group)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.1)
+    net[0].requires_grad_(False)
+    frozen = params_of(net[0])
+    x, y = batch(0, group.rank)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    frozen_grads = [p.grad for p in net[0].parameters()]
+    moved = [not torch.equal(a, b) for a, b in zip(frozen, params_of(net[0]))]
+    opt.zero_grad()
+    net[0].requires_grad_(True)  # unfrozen again: averaged again
+    x, y = batch(1, group.rank)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    return frozen_grads, moved, params_of_grads(net[0])
+
+
+def test_parameters_frozen_or_unfrozen_after_wrapping_are_picked_up_at_the_next_forward(groups2):
+    # Frozen after wrapping, a parameter got a zero gradient and AdamW's weight decay moved it;
+    # unfrozen after wrapping, it had no hook and its gradient was never averaged.
+    (fg0, moved0, ug0), (fg1, moved1, ug1) = on_threads(groups2, _freeze_and_unfreeze_after_wrapping)
+    assert fg0 == [None, None] and fg1 == [None, None]
+    assert moved0 == [False, False] and moved1 == [False, False]
+    assert all(torch.equal(u, v) for u, v in zip(ug0, ug1))
+
+
+def _reentrant_checkpoint(group):
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            with INIT_LOCK:
+                torch.manual_seed(0)
+                self.w = nn.Parameter(torch.randn(4, 4, dtype=F64) / 2)
+                self.inner = nn.Linear(4, 4, bias=False).to(F64)
+
+        def forward(self, x):
+            h = checkpoint(lambda t: torch.tanh(self.inner(t) @ self.w), x, use_reentrant=True)
+            return (h @ self.w).pow(2).sum()
+
+    ddp = DistributedDataParallel(Net(), group)
+    with pytest.raises(UnsupportedOpError, match="'w' received its gradient twice.*use_reentrant=False"):
+        ddp(torch.ones(2, 4, dtype=F64, requires_grad=True)).backward()
+    return True
+
+
+def test_a_gradient_arriving_twice_in_one_backward_is_refused_not_averaged_early(groups2):
+    assert on_threads(groups2, _reentrant_checkpoint) == [True, True]
+
+
+def _sparse(group):
+    with INIT_LOCK:
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 2, sparse=True).to(F64)
+    ddp = DistributedDataParallel(emb, group)
+    with pytest.raises(UnsupportedOpError, match="'weight' has a torch.sparse_coo gradient.*sparse=False"):
+        ddp(torch.tensor([1, 2])).sum().backward()
+    return True
+
+
+def test_a_sparse_gradient_is_refused_with_a_clear_error(groups2):
+    assert on_threads(groups2, _sparse) == [True, True]
+
+
+def _eval_forward_inside_no_sync(group):
+    net = make_net(seed=9 + group.rank)
+    ddp = DistributedDataParallel(net, group)
+    x, y = batch(0, group.rank)
+    loss = nn.functional.mse_loss(ddp(x), y)
+    with torch.no_grad(), ddp.no_sync():
+        ddp(x)  # an evaluation forward must not turn off the pending backward's averaging
+    loss.backward()
+    return params_of_grads(net)
+
+
+def test_a_no_grad_forward_does_not_change_whether_the_pending_backward_averages(groups2):
+    g0, g1 = on_threads(groups2, _eval_forward_inside_no_sync)
+    assert all(torch.equal(u, v) for u, v in zip(g0, g1))

@@ -8,15 +8,30 @@ a communication thread so that it overlaps the rest of the backward pass.
 When ``backward`` returns, every ``p.grad`` holds the group average.
 
 What it does not do: shard parameters or optimizer state (that is FSDP),
-reduce sparse gradients, find unused parameters by walking the graph, or
-support double backward through the reduction. A second ``backward`` of the
-same forward outside ``no_sync`` reduces again (as torch's DDP does).
+reduce sparse gradients (``UnsupportedOpError``), find unused parameters by
+walking the graph, or support double backward through the reduction, or
+reentrant activation checkpointing of a parameter also used outside the
+checkpointed block (its gradient arrives twice: ``UnsupportedOpError``; use
+``use_reentrant=False``). A second ``backward`` of the same forward outside
+``no_sync`` reduces again (as torch's DDP does).
+
+Each bucket is reduced in a buffer of its own, and the results are copied
+into ``p.grad`` only when the whole ``backward`` has succeeded, on the
+thread that called it: a ``backward`` that raises leaves every ``p.grad`` as
+local autograd left it, and nothing writes into them afterwards.
 
 Unused parameters: a trainable parameter that got no gradient on this rank
-in a synced step counts as a **zero gradient** in the average, and its
-``grad`` is set to that average (a zero tensor if no rank used it), so the
-ranks' parameters never drift apart. Parameters with ``requires_grad=False``
-are broadcast at construction and otherwise left alone.
+in a synced step counts as a zero gradient in the average, and its ``grad``
+is set to that average; one that no rank used keeps ``grad`` as it was
+(``None``), as in one process, so an optimizer skips it. Parameters with
+``requires_grad=False`` are broadcast at construction and otherwise left
+alone; a change of which parameters require gradients (freezing a layer
+after wrapping) is picked up at the next ``forward``, identically on every
+rank as every rank runs the same code.
+
+Several wrappers may share one group (a GAN's generator and discriminator):
+they share its one communication thread, so their collectives are issued in
+the same order on every rank.
 
 Example::
 
@@ -37,6 +52,7 @@ import torch
 
 from shardkit.comm import ReduceOp
 from shardkit.comm.buckets import plan_buckets
+from shardkit.errors import UnsupportedOpError
 
 __all__ = ["DistributedDataParallel"]
 
@@ -66,32 +82,33 @@ class DistributedDataParallel(torch.nn.Module):
         self.group = group
         self.broadcast_buffers = broadcast_buffers
         self._world_size = 1 if group is None else group.world_size
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._cap_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self._params: list[torch.nn.Parameter] = []
         self._require_sync = True      # flipped by no_sync()
-        self._sync_this_backward = True  # what the last forward saw; hooks obey it
+        self._sync_this_backward = True  # what the last forward with autograd on saw; hooks obey it
         self._handles = []
-        self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # a module spread over devices runs hooks on one thread per device
         self._reset_step()
         if self._world_size == 1:
             return
         self._broadcast_from_rank0(list(module.parameters()) + list(module.buffers()))
-        self._buckets = self._plan(int(bucket_cap_mb * 1024 * 1024))
-        self._param_to_bucket = {i: b for b, idx in enumerate(self._buckets) for i in idx}
-        for i, p in enumerate(self._params):
-            self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-ddp")
-        # a wrapper dropped without close() (the module wrapped again) takes its hooks and thread with it
-        self._release = weakref.finalize(self, _release, self._handles, self._executor)
+        self._comm = _comm_thread(group)
+        self._wire(_trainable(module))
+        # a wrapper dropped without close() (the module wrapped again) takes its hooks with it
+        self._release = weakref.finalize(self, _remove_hooks, self._handles)
 
     # --- public ------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
         if self._world_size > 1:
-            self._wait_pending()  # a backward that failed midway may have left work behind
+            self._take_pending()  # a backward that failed midway may have left work behind: dropped
             if self.broadcast_buffers:
                 self._broadcast_from_rank0(list(self.module.buffers()))
-        self._sync_this_backward = self._require_sync
+            trainable = _trainable(self.module)
+            if len(trainable) != len(self._params) or any(a is not b for a, b in zip(trainable, self._params)):
+                self._wire(trainable)
+        if torch.is_grad_enabled():  # an evaluation forward under no_grad runs no backward
+            self._sync_this_backward = self._require_sync
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -109,15 +126,23 @@ class DistributedDataParallel(torch.nn.Module):
             self._require_sync = old
 
     def close(self) -> None:
-        """Remove the hooks and stop the communication thread; the module is left as it is.
-
-        A wrapper that is dropped (garbage-collected) without ``close()`` does the same.
-        """
-        if self._executor is not None:
+        """Remove the hooks; the module is left as it is (a dropped wrapper does the same)."""
+        if self._world_size > 1:
             self._release()
-            self._executor = None
 
     # --- construction ------------------------------------------------------
+
+    def _wire(self, params: list) -> None:
+        """Hooks and buckets for ``params`` (the parameters that require gradients now)."""
+        _remove_hooks(self._handles)
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        self._params, self._names = params, [names.get(id(p), "?") for p in params]
+        self._buckets = self._plan(self._cap_bytes)
+        self._param_to_bucket = {i: b for b, idx in enumerate(self._buckets) for i in idx}
+        self._numels = [[self._params[i].numel() for i in idx] for idx in self._buckets]
+        self._bufs: list[torch.Tensor | None] = [None] * len(self._buckets)
+        for i, p in enumerate(self._params):
+            self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
     def _plan(self, cap_bytes: int) -> list[list[int]]:
         # Gradients become ready roughly in reverse registration order, so the
@@ -137,8 +162,9 @@ class DistributedDataParallel(torch.nn.Module):
     def _reset_step(self) -> None:
         self._in_backward = False
         self._missing: list[int] = []   # per bucket: gradients not yet accumulated
+        self._ready: set[int] = set()   # parameters whose gradient arrived in this pass
         self._next_bucket = 0           # buckets launch strictly in order on every rank
-        self._futures: list[Future] = []
+        self._pending: list[tuple[int, list, Future]] = []
 
     def _make_hook(self, i: int):
         wrapper = weakref.ref(self)  # the hook must not keep a dropped wrapper alive (and reducing)
@@ -154,40 +180,112 @@ class DistributedDataParallel(torch.nn.Module):
         if not self._in_backward:
             self._in_backward = True
             self._missing = [len(b) for b in self._buckets]
-            self._next_bucket, self._futures = 0, []
+            self._ready, self._next_bucket, self._pending = set(), 0, []
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if i in self._ready:
+            raise UnsupportedOpError(
+                f"DistributedDataParallel: parameter {self._names[i]!r} received its gradient twice in one "
+                "backward (reentrant activation checkpointing of a parameter also used outside the "
+                "checkpointed block?); each gradient is averaged once per backward. Use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
+            )
+        self._ready.add(i)
         self._missing[self._param_to_bucket[i]] -= 1
         while self._next_bucket < len(self._buckets) and self._missing[self._next_bucket] == 0:
             self._launch(self._next_bucket)
 
     def _launch(self, b: int) -> None:
-        grads = []
-        for i in self._buckets[b]:
-            p = self._params[i]
-            if p.grad is None:  # unused on this rank: counts as zero (see the module docstring)
-                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            grads.append(p.grad)
-        self._futures.append(self._executor.submit(self.group.all_reduce_, grads, ReduceOp.AVG))
+        grads = [self._params[i].grad for i in self._buckets[b]]
+        for i, g in zip(self._buckets[b], grads):
+            if g is not None and g.layout != torch.strided:
+                raise UnsupportedOpError(
+                    f"DistributedDataParallel: parameter {self._names[i]!r} has a {g.layout} gradient; only "
+                    "dense gradients are averaged (an nn.Embedding(..., sparse=True)? use sparse=False)"
+                )
+        buf = self._bucket_buffer(b)
+        self._pending.append((b, grads, self._comm.submit(_reduce, self.group, buf, grads, self._numels[b])))
         self._next_bucket = b + 1
+
+    def _bucket_buffer(self, b: int) -> torch.Tensor:
+        if self._bufs[b] is None:  # kept: allocated once, not every step
+            first = self._params[self._buckets[b][0]]
+            count = sum(self._numels[b]) + len(self._numels[b])  # the gradients, then one used-flag each
+            self._bufs[b] = torch.empty(count, dtype=first.dtype, device=first.device)
+        return self._bufs[b]
 
     def _finish_backward(self) -> None:
         try:
             while self._next_bucket < len(self._buckets):
                 self._launch(self._next_bucket)
         finally:
-            self._wait_pending()
+            done = self._take_pending()
+        for b, grads, _ in done:
+            self._copy_out(b, grads)
 
-    def _wait_pending(self) -> None:
-        futures = self._futures
+    def _take_pending(self) -> list:
+        """Wait for every launched bucket, forget them, raise the first failure; the buckets."""
+        pending = self._pending
         self._reset_step()
-        errors = [f.exception() for f in futures]  # wait for all before raising
+        errors = [f.exception() for _, _, f in pending]  # wait for all before raising
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
+        return pending
+
+    @torch.no_grad()
+    def _copy_out(self, b: int, grads: list) -> None:
+        buf, numels = self._bufs[b], self._numels[b]
+        used = (buf[-len(numels):] != 0).tolist()
+        dst, src = [], []
+        for i, g, view, any_rank in zip(self._buckets[b], grads, buf[:-len(numels)].split(numels), used):
+            p = self._params[i]
+            if not any_rank:
+                continue  # no rank has a gradient for it: left as in one process
+            if g is None:
+                p.grad = view.view(p.shape).clone()
+            else:
+                dst.append(g)
+                src.append(view.view(g.shape))
+        if dst:
+            torch._foreach_copy_(dst, src)
 
 
-def _release(handles: list, executor: ThreadPoolExecutor) -> None:
+def _trainable(module: torch.nn.Module) -> list:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def _reduce(group, buf: torch.Tensor, grads: list, numels: list[int]) -> None:
+    """On the communication thread: pack ``grads`` (None: zeros) and their used-flags into ``buf``, average it."""
+    n = len(grads)
+    views = buf[:-n].split(numels)
+    present = [(v, g.reshape(-1)) for v, g in zip(views, grads) if g is not None]
+    if present:
+        torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+    for v, g in zip(views, grads):
+        if g is None:
+            v.zero_()
+    buf[-n:].copy_(torch.tensor([g is not None for g in grads], dtype=buf.dtype))
+    group.all_reduce_([buf], ReduceOp.AVG)
+
+
+#: One communication thread per group, shared by every wrapper on it: a group's
+#: collectives must be issued in the same order on every rank, so from one thread.
+_COMM_THREADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_COMM_THREADS_LOCK = threading.Lock()
+
+
+def _comm_thread(group) -> ThreadPoolExecutor:
+    with _COMM_THREADS_LOCK:
+        executor = _COMM_THREADS.get(group)
+        if executor is None:
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-ddp")
+            _COMM_THREADS[group] = executor
+            weakref.finalize(group, executor.shutdown, wait=False)
+        return executor
+
+
+def _remove_hooks(handles: list) -> None:
     for h in handles:
         h.remove()
     handles.clear()
-    executor.shutdown(wait=True)
