@@ -14,10 +14,11 @@ import sys
 import tempfile
 import traceback
 
-SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", "scale", "s3")
+SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", "scale", "s3", "comm-gpu")
 #: What runs without ``--only``: ``offline`` (the CLI tools against DCP, two extra source checkpoints and
 #: rank processes), ``scale`` (8/32/64 ranks as processes, then as threads, tiny tensors; ``--size`` does not apply) and ``s3``
-#: (a SeaweedFS server on loopback; needs the ``weed`` binary of requirements-dev.txt) run only when asked for.
+#: (a SeaweedFS server on loopback; needs the ``weed`` binary of requirements-dev.txt) and ``comm-gpu``
+#: (an NCCL group's wait modes and a DDP step on one GPU; needs CUDA) run only when asked for.
 DEFAULT_SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 
 
@@ -59,6 +60,10 @@ def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
         from shardkit.bench.s3_bench import run_s3_benchmarks
 
         return run_s3_benchmarks(size, reps, workdir)
+    if name == "comm-gpu":
+        from shardkit.bench.comm_gpu_bench import run_comm_gpu_benchmarks
+
+        return run_comm_gpu_benchmarks(reps=reps)
     if name == "ddp":
         from shardkit.bench.ddp_bench import run_ddp_benchmarks
 
