@@ -164,7 +164,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._missing: list[int] = []   # per bucket: gradients not yet accumulated
         self._ready: set[int] = set()   # parameters whose gradient arrived in this pass
         self._next_bucket = 0           # buckets launch strictly in order on every rank
-        self._pending: list[tuple[int, list, Future]] = []
+        self._pending: list[tuple[int, list, object, Future]] = []  # bucket, grads, CUDA stream, future
 
     def _make_hook(self, i: int):
         wrapper = weakref.ref(self)  # the hook must not keep a dropped wrapper alive (and reducing)
@@ -203,7 +203,10 @@ class DistributedDataParallel(torch.nn.Module):
                     "dense gradients are averaged (an nn.Embedding(..., sparse=True)? use sparse=False)"
                 )
         buf = self._bucket_buffer(b)
-        self._pending.append((b, grads, self._comm.submit(_reduce, self.group, buf, grads, self._numels[b])))
+        # CUDA: the stream the gradients were produced on; the reduction is ordered on it
+        stream = torch.cuda.current_stream(buf.device) if buf.is_cuda else None
+        future = self._comm.submit(_reduce, self.group, buf, grads, self._numels[b], stream)
+        self._pending.append((b, grads, stream, future))
         self._next_bucket = b + 1
 
     def _bucket_buffer(self, b: int) -> torch.Tensor:
@@ -219,14 +222,16 @@ class DistributedDataParallel(torch.nn.Module):
                 self._launch(self._next_bucket)
         finally:
             done = self._take_pending()
-        for b, grads, _ in done:
+        for b, grads, stream, _ in done:
+            if stream is not None:  # this thread's stream (autograd's caller's) waits for the reduction
+                torch.cuda.current_stream(stream.device).wait_stream(stream)
             self._copy_out(b, grads)
 
     def _take_pending(self) -> list:
         """Wait for every launched bucket, forget them, raise the first failure; the buckets."""
         pending = self._pending
         self._reset_step()
-        errors = [f.exception() for _, _, f in pending]  # wait for all before raising
+        errors = [f.exception() for *_, f in pending]  # wait for all before raising
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
@@ -254,9 +259,17 @@ def _trainable(module: torch.nn.Module) -> list:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-@torch.no_grad()
-def _reduce(group, buf: torch.Tensor, grads: list, numels: list[int]) -> None:
-    """On the communication thread: pack ``grads`` (None: zeros) and their used-flags into ``buf``, average it."""
+def _reduce(group, buf: torch.Tensor, grads: list, numels: list[int], stream) -> None:
+    """On the communication thread: pack ``grads`` (None: zeros) and their used-flags into ``buf``, average it.
+
+    ``stream``: for CUDA buffers, the stream the gradients were produced on; the
+    copies and the collective are ordered on it.
+    """
+    with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+        _pack_and_average(group, buf, grads, numels)
+
+
+def _pack_and_average(group, buf: torch.Tensor, grads: list, numels: list[int]) -> None:
     n = len(grads)
     views = buf[:-n].split(numels)
     present = [(v, g.reshape(-1)) for v, g in zip(views, grads) if g is not None]
