@@ -113,3 +113,18 @@ def test_a_step_missing_a_data_object_or_truncated_or_temporary_is_skipped(s3_ur
     assert left == {"step-1", "step-10"}    # incomplete steps rotated, the temporary removed as an orphan
     assert _objects(s3fs_client, s3_url) == [f"step-{s}/{n}" for s in (1, 10)
                                              for n in ("metadata.json", "rank_0.safetensors")]
+
+
+def test_a_root_with_glob_characters_rotates_only_its_own_steps(s3_url, s3fs_client):
+    # ``[l]`` is part of the name, not a pattern: the sibling run ``expl`` and its only step stay.
+    other = CheckpointManager(f"{s3_url}/runs/expl", keep_last=5, async_save=False)
+    other.save(1, _state(1))
+    other.wait()
+    mgr = CheckpointManager(f"{s3_url}/runs/exp[l]", keep_last=1, async_save=False)
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step))
+        mgr.wait()
+    assert other.steps() == [1]
+    assert mgr.steps() == [3]
+    assert _objects(s3fs_client, s3_url) == [f"runs/{run}/step-{s}/{n}" for run, s in (("exp[l]", 3), ("expl", 1))
+                                             for n in ("metadata.json", "rank_0.safetensors")]

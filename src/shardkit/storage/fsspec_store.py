@@ -11,6 +11,10 @@ caller's memory where a sink writes them (no copy). Other
 fsspec stores (``memory://``, sftp, ...) are written under
 ``storage.temp_name`` and moved to the final name.
 
+Paths are literal: ``[ ] * ?`` in a name are plain characters. Deletions and
+moves use single-object calls on names a listing gave (never fsspec's
+``rm`` / ``mv``, which expand them as glob patterns).
+
 Reads fetch exactly the byte ranges asked for (ranged GETs, split into
 ``knobs.OBJECT_PART_BYTES`` parts fetched concurrently; adjacent buffers
 of a gather read are one range), never a whole object or a read-ahead
@@ -47,6 +51,8 @@ __all__ = ["FsspecStorage", "fetched_bytes"]
 #: Protocols whose stores publish an object only when its upload completes.
 _PUBLISH_ON_CLOSE = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 _S3 = frozenset({"s3", "s3a"})
+#: The most keys one S3 DeleteObjects request takes.
+_DELETE_BATCH = 1000
 
 _fetched_lock = threading.Lock()
 _fetched = [0]
@@ -223,7 +229,8 @@ class FsspecStorage(Storage):
         return sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in entries})
 
     def remove(self, path: str) -> None:
-        self.fs.rm(self._strip(path))
+        # One exact key: ``fs.rm`` would expand ``[ ] * ?`` in the name as a glob pattern.
+        self.fs.rm_file(self._strip(path))
 
     def remove_files(self, paths: list[str]) -> None:
         if self._protocol not in _S3:
@@ -235,24 +242,49 @@ class FsspecStorage(Storage):
             bucket, _, key = self._strip(path).partition("/")
             by_bucket.setdefault(bucket, []).append(key)
         for bucket, keys in by_bucket.items():
-            out = self.fs.call_s3("delete_objects", Bucket=bucket,
-                                  Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
-            errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
-            if errors:
-                raise OSError(f"could not delete {', '.join(e.get('Key', '?') for e in errors)} in bucket "
-                              f"{bucket}: {errors[0].get('Code')} {errors[0].get('Message', '')}")
-            for key in keys:
-                self.fs.invalidate_cache(f"{bucket}/{key}")
+            for start in range(0, len(keys), _DELETE_BATCH):
+                self._delete_objects(bucket, keys[start:start + _DELETE_BATCH])
+
+    def _delete_objects(self, bucket: str, keys: list[str]) -> None:
+        """One DeleteObjects of exact ``keys`` (at most S3's 1000)."""
+        out = self.fs.call_s3("delete_objects", Bucket=bucket,
+                              Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+        errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+        if errors:
+            raise OSError(f"could not delete {', '.join(e.get('Key', '?') for e in errors)} in bucket "
+                          f"{bucket}: {errors[0].get('Code')} {errors[0].get('Message', '')}")
+        for key in keys:
+            self.fs.invalidate_cache(f"{bucket}/{key}")
 
     def isdir(self, path: str) -> bool:
         return self.fs.isdir(self._strip(path))
 
     def remove_tree(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self._strip(path), recursive=True)
+        self._delete_tree(self._strip(path).rstrip("/"))
         self._abort_uploads_under(path)
+
+    def _delete_tree(self, key: str) -> None:
+        """Delete the object ``key`` or every object under the prefix ``key/``, then its empty directories.
+
+        Every name comes from a listing and is deleted as it is: ``[ ] * ?``
+        in a key are plain characters here (``fs.rm`` would expand them as
+        glob patterns and delete a sibling such as ``expl`` for ``exp[l]``).
+        """
+        try:
+            found = self.fs.find(key, withdirs=True, detail=True)
+        except FileNotFoundError:
+            found = {}
+        files = [name for name, info in found.items() if info.get("type") != "directory"]
         if self._protocol in _S3:
-            self._remove_folder_entries(self._strip(path).rstrip("/"))
+            self.remove_files(files)
+            self._remove_folder_entries(key)
+            return
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(name)
+        for name in sorted((n for n, i in found.items() if i.get("type") == "directory"), reverse=True):
+            with contextlib.suppress(OSError):  # deepest first; a directory only implied by its files is gone
+                self.fs.rmdir(name)
 
     def _remove_folder_entries(self, key: str) -> None:
         # Folder entries (``<prefix>/``: what S3 consoles create, and what SeaweedFS keeps for a
@@ -281,9 +313,8 @@ class FsspecStorage(Storage):
             entries = []
         doomed = [e.rstrip("/") for e in entries
                   if e.rstrip("/") != key and not is_lock_name(e.rstrip("/").rsplit("/", 1)[-1])]
-        if doomed:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(doomed, recursive=True)
+        for entry in doomed:
+            self._delete_tree(entry)
         return [self.join(path, e.rsplit("/", 1)[-1]) for e in doomed] + self._abort_uploads_under(path)
 
     def _abort_uploads_under(self, path: str) -> list[str]:
@@ -363,10 +394,12 @@ class FsspecStorage(Storage):
         try:
             with self.fs.open(tmp, "wb") as f:
                 yield f
-            self.fs.mv(tmp, key)
+            # Single-file calls: ``fs.mv`` / ``fs.rm`` expand ``[ ] * ?`` in a name as glob patterns.
+            self.fs.cp_file(tmp, key)
+            self.fs.rm_file(tmp)
         except BaseException:
             with contextlib.suppress(Exception):
-                self.fs.rm(tmp)
+                self.fs.rm_file(tmp)
             raise
 
     def remove_orphans(self, directory: str) -> list[str]:
