@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -155,3 +156,79 @@ def test_sigkill_during_a_save_is_ignored_and_cleaned_up(tmp_path, mode):
     mgr.save(4, target)
     mgr.close()
     assert mgr.steps() == [1, 2, 4] and not (tmp_path / "step-3").exists()
+
+
+def _fail_reads_of(monkeypatch, store, name: str, *, nth: int = 1):
+    """Make the ``nth`` read of a file whose path ends with ``name`` fail once with EIO (a transient
+    fault, like a server's 500); return the list of paths it failed."""
+    original, seen, failed = type(store).read_bytes, [], []
+
+    def flaky(self, path, *, max_bytes):
+        if str(path).endswith(name):
+            seen.append(path)
+            if len(seen) == nth:
+                failed.append(path)
+                raise OSError(errno.EIO, "injected: transient read failure", str(path))
+        return original(self, path, max_bytes=max_bytes)
+
+    monkeypatch.setattr(type(store), "read_bytes", flaky)
+    return failed
+
+
+def test_a_transient_read_failure_is_raised_not_taken_for_an_incomplete_step(tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path, keep_last=3, async_save=False)
+    for step in (1, 2, 3):
+        mgr.save(step, _state(step, step))
+    mgr.close()
+    mgr = CheckpointManager(tmp_path, keep_last=3, async_save=False)
+    failed = _fail_reads_of(monkeypatch, mgr._storage, "step-3/metadata.json")
+    target = _state(0)
+    with pytest.raises(OSError, match="transient"):
+        mgr.restore(target)   # was: step 2 restored without a word
+    assert failed and target["step"] == 0
+    _fail_reads_of(monkeypatch, mgr._storage, "step-3/metadata.json")
+    with pytest.raises(OSError, match="transient"):
+        mgr.steps()
+    assert mgr.restore(target) == 3 and target["step"] == 3   # the fault passed: the newest step
+
+
+@pytest.mark.parametrize("nth", [1, 2], ids=["completeness_check", "metrics_read"])
+def test_a_transient_read_failure_stops_the_rotation_and_keeps_the_best(tmp_path, monkeypatch, caplog, nth):
+    mgr = CheckpointManager(tmp_path, keep_last=1, best=("loss", "min"), async_save=False)
+    mgr.save(1, _state(1, 1), metrics={"loss": 0.1})   # the best step
+    mgr.save(2, _state(2, 2), metrics={"loss": 0.5})
+    mgr.wait()
+    failed = _fail_reads_of(monkeypatch, mgr._storage, "step-1/metadata.json", nth=nth)
+    mgr.save(3, _state(3, 3), metrics={"loss": 0.9})
+    mgr.wait()
+    assert failed, "the injected fault was never hit"
+    assert mgr.steps() == [1, 2, 3]        # was: the best step 1 deleted
+    assert "removing old checkpoints failed" in caplog.text and "transient" in caplog.text
+    mgr.save(4, _state(4, 4), metrics={"loss": 0.7})   # the next rotation does the work
+    mgr.close()
+    assert mgr.steps() == [1, 4]
+
+
+def test_a_read_failure_on_rank_0_while_choosing_the_step_fails_every_rank(tmp_path, monkeypatch):
+    from shardkit.comm import Group
+
+    from comm_threads import on_threads
+
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, _state(1, 1))
+    _fail_reads_of(monkeypatch, mgr._storage, "step-1/metadata.json")
+
+    def restore(g):
+        try:
+            return CheckpointManager(tmp_path, group=g, async_save=False).restore(_state(0))
+        except Exception as e:  # noqa: BLE001 - compared below
+            return type(e).__name__, str(e)
+
+    groups = Group.local(2, timeout=30)
+    try:
+        (kind0, _), (kind1, message1) = on_threads(groups, restore)
+    finally:
+        for g in groups:
+            g.close()
+    assert kind0 == "OSError" and kind1 == "CheckpointError"    # neither waits for the other
+    assert "rank 0 failed while choosing the step to restore" in message1 and "transient" in message1

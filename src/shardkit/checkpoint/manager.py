@@ -9,7 +9,10 @@
   (even SIGKILL) leaves an incomplete directory that :meth:`restore`
   ignores; it is deleted by a later rotation once a newer step is complete
   (with the temporaries and incomplete uploads killed saves left under
-  ``root``), or cleared when the same step is saved again.
+  ``root``), or cleared when the same step is saved again. A read that
+  fails for another reason (an I/O error, a server's 500) is never taken
+  for "incomplete": :meth:`restore` and :meth:`steps` raise it, and that
+  round's rotation deletes nothing (it is logged; the next one tries again).
 - **Rotation** (rank 0 only, on the background save thread, or a thread of
   its own for blocking saves; never on the training thread) keeps the
   ``keep_last`` newest complete steps and the best one by ``best``; it never
@@ -58,7 +61,9 @@ from shardkit.checkpoint.api import (
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.group import broadcast_json
 from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
-from shardkit.errors import AsyncWaitTimeout, CheckpointError, CheckpointExistsError, MetadataError
+from shardkit.errors import (
+    AsyncWaitTimeout, CheckpointError, CheckpointExistsError, IncompleteCheckpointError, MetadataError,
+)
 from shardkit.storage import Storage, storage_for
 from shardkit.storage.json_io import NON_FINITE, non_finite_name
 
@@ -67,6 +72,10 @@ __all__ = ["CheckpointManager", "step_dir_name"]
 # ASCII digits, no leading zero, nothing after: one name per step (``step_dir_name``).
 _STEP_DIR = re.compile(r"step-(0|[1-9][0-9]{0,17})")
 _KEY = "shardkit.manager"
+#: What the completeness check raises for a step that is not there or not complete (a missing
+#: directory or file is a ``FileNotFoundError``: ``MissingShardError`` is one). Anything else (a
+#: server's 500, a dropped connection, EACCES) says nothing about the step and is raised.
+_NOT_COMPLETE = (IncompleteCheckpointError, MetadataError, FileNotFoundError)
 log = logging.getLogger(__name__)
 
 
@@ -100,7 +109,12 @@ class CheckpointManager:
     # --- what is there ---------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """The complete steps, ascending (a step being written or a crashed one is not listed)."""
+        """The complete steps, ascending (a step being written or a crashed one is not listed).
+
+        A read that fails for another reason than a missing or incomplete
+        step (an I/O error, a server error) is raised, never taken for
+        "incomplete"; so is it by :meth:`latest_step` and :meth:`restore`.
+        """
         return [s for s in self._all_steps() if s != self._writing and self._complete(s)]
 
     def latest_step(self) -> int | None:
@@ -163,19 +177,26 @@ class CheckpointManager:
 
         Returns the step restored, or None when there is none (a fresh run).
         Works on any world size. Raises :class:`CheckpointError` when ``step``
-        is given but not complete. ``rank_state`` as for :func:`~shardkit.checkpoint.load`.
+        is given but not complete, and the error of a read that failed while
+        rank 0 chose the step (never an older step instead: see :meth:`steps`).
+        ``rank_state`` as for :func:`~shardkit.checkpoint.load`.
         """
         self.wait()
-        chosen = self.latest_step() if step is None else step
-        if self._coordinator is not None:
-            chosen = broadcast_json(self._coordinator, chosen, "choosing the step to restore")  # rank 0 decides
+        chosen, problem = self._rank0_decides(lambda: self._restore_choice(step), "choosing the step to restore")
+        if problem is not None:
+            raise CheckpointError(problem)
         if chosen is None:
             return None
-        if not self._complete(chosen):
-            raise CheckpointError(f"step {chosen} has no complete checkpoint under {self.root}; complete steps: "
-                                  f"{self.steps() or 'none'}")
         load(state_dict, self.step_dir(chosen), group=self.group, rank_state=rank_state)
         return chosen
+
+    def _restore_choice(self, step: int | None) -> list:
+        """``[step to restore or None, why it cannot be restored or None]``; rank 0's choice."""
+        chosen = self.latest_step() if step is None else step
+        if chosen is None or step is None or self._complete(chosen):
+            return [chosen, None]
+        return [chosen, f"step {chosen} has no complete checkpoint under {self.root}; complete steps: "
+                        f"{self.steps() or 'none'}"]
 
     def metrics(self, step: int) -> dict:
         """The metrics saved with ``step`` (a NaN or infinite value comes back as that float)."""
@@ -242,13 +263,39 @@ class CheckpointManager:
         return sorted(int(m.group(1)) for m in map(_STEP_DIR.fullmatch, names) if m)
 
     def _complete(self, step: int) -> bool:
+        """Whether ``step`` is committed with every data file at its recorded size.
+
+        False only for what ``_NOT_COMPLETE`` names; any other failure to read is raised.
+        """
         storage, directory = self._storage, self.step_dir(step)
         try:
             m = read_manifest(storage, directory)
             records = file_records(storage, directory, m)
             return all(storage.size_bytes(storage.join(directory, f)) == r.bytes for f, r in records.items())
-        except (CheckpointError, OSError):
+        except _NOT_COMPLETE:
             return False
+
+    def _rank0_decides(self, decide, what: str):
+        """``decide()`` run on rank 0 alone, its (JSON) result on every rank.
+
+        A failure there is raised on every rank: on rank 0 as it is, on the
+        others as a :class:`CheckpointError` naming it (none of them waits
+        for a broadcast that never comes).
+        """
+        if self._coordinator is None:
+            return decide()
+        outcome, failure = None, None
+        if self.rank == 0:
+            try:
+                outcome = ["ok", decide()]
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                outcome, failure = ["failed", f"{type(e).__name__}: {e}"], e
+        outcome = broadcast_json(self._coordinator, outcome, what)
+        if failure is not None:
+            raise failure
+        if outcome[0] == "failed":
+            raise CheckpointError(f"rank 0 failed while {what} under {self.root}: {outcome[1]}")
+        return outcome[1]
 
     def _after_save(self) -> None:
         self._writing = None
@@ -272,9 +319,7 @@ class CheckpointManager:
         step is complete (rotation, by step number, would delete ``step`` first,
         and ``restore()`` would pick the newer one: the run after a roll-back).
         """
-        problem = self._save_problem(step) if self.rank == 0 else None
-        if self._coordinator is not None:
-            problem = broadcast_json(self._coordinator, problem, "checking the step can be saved")
+        problem = self._rank0_decides(lambda: self._save_problem(step), "checking the step can be saved")
         if problem is not None:
             kind, message = problem
             raise (CheckpointExistsError if kind == "exists" else CheckpointError)(message)
@@ -329,7 +374,7 @@ class CheckpointManager:
         for step in complete:
             try:
                 value = self.metrics(step).get(name)
-            except (CheckpointError, OSError):
+            except _NOT_COMPLETE:  # removed since it was listed; a failed read stops the rotation
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 scored.append((value if mode == "min" else -value, -step, step))
