@@ -128,3 +128,35 @@ def test_a_root_with_glob_characters_rotates_only_its_own_steps(s3_url, s3fs_cli
     assert mgr.steps() == [3]
     assert _objects(s3fs_client, s3_url) == [f"runs/{run}/step-{s}/{n}" for run, s in (("exp[l]", 3), ("expl", 1))
                                              for n in ("metadata.json", "rank_0.safetensors")]
+
+
+def test_rotation_at_a_bucket_root_aborts_only_its_own_incomplete_uploads(s3_server, s3fs_client, monkeypatch):
+    # Another job's upload in flight in the same bucket stays; the manager's own (a killed save's,
+    # under a step and under a temporary name) go, found over several pages of the listing.
+    import aiobotocore.client
+
+    from shardkit.bench.seaweedfs import make_bucket
+
+    bucket = f"root-{os.getpid()}-{len(s3fs_client.ls(''))}"
+    make_bucket(bucket)
+    theirs = ["other-job/run/step-7/rank_0.safetensors", "rank_0.safetensors", "step-x/rank_0.safetensors"]
+    mine = ["step-5/rank_0.safetensors", f"{temp_name('step-6')}/rank_0.safetensors"]
+    for key in theirs + mine:
+        s3fs_client.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    pages, original = [], aiobotocore.client.AioBaseClient._make_api_call
+
+    async def two_a_page(self, operation, params):  # the listing must follow NextKeyMarker
+        if operation == "ListMultipartUploads":
+            params = {**params, "MaxUploads": 2}
+            pages.append(params)
+        return await original(self, operation, params)
+
+    monkeypatch.setattr(aiobotocore.client.AioBaseClient, "_make_api_call", two_a_page)
+    mgr = CheckpointManager(f"s3://{bucket}", keep_last=1, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+        mgr.wait()
+    monkeypatch.undo()
+    assert len(pages) >= 3 and mgr.steps() == [2]
+    left = [u["Key"] for u in s3fs_client.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])]
+    assert sorted(left) == sorted(theirs)

@@ -64,7 +64,7 @@ from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manif
 from shardkit.errors import (
     AsyncWaitTimeout, CheckpointError, CheckpointExistsError, IncompleteCheckpointError, MetadataError,
 )
-from shardkit.storage import Storage, storage_for
+from shardkit.storage import Storage, is_temp_name, storage_for
 from shardkit.storage.json_io import NON_FINITE, non_finite_name
 
 __all__ = ["CheckpointManager", "step_dir_name"]
@@ -364,7 +364,8 @@ class CheckpointManager:
             # What killed saves left that no step lists: temporaries beside the steps, and on object
             # stores incomplete uploads (a step whose only object was one is not even a prefix).
             # Nothing of this manager's is being written now: a save waits for the rotation.
-            self._storage.remove_orphans(self.root)
+            # Only uploads under this manager's own names: root may be a bucket other jobs write to.
+            self._storage.remove_orphans(self.root, uploads_of=_owned_name)
 
     def _best_step(self, complete: list[int]) -> int | None:
         if self.best is None:
@@ -379,6 +380,11 @@ class CheckpointManager:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 scored.append((value if mode == "min" else -value, -step, step))
         return min(scored)[2] if scored else None
+
+
+def _owned_name(name: str) -> bool:
+    """Whether an entry directly under the root is this manager's: a step directory, or a temporary name."""
+    return bool(_STEP_DIR.fullmatch(name)) or is_temp_name(name)
 
 
 def _left_s(deadline: float | None) -> float | None:

@@ -295,14 +295,21 @@ class Storage:
         """
         return StreamSink(f)
 
-    def remove_orphans(self, directory: str) -> list[str]:
+    def remove_orphans(self, directory: str, *, uploads_of=None) -> list[str]:
         """Delete what killed writers left in ``directory``; return what was removed.
 
         Leftovers are files (and directories) under a temporary name
-        (``storage.is_temp_name``) directly in ``directory`` and, on object stores, multipart uploads never completed anywhere under it (invisible
+        (``storage.is_temp_name``) directly in ``directory`` and, on object
+        stores, multipart uploads never completed anywhere under it (invisible
         to readers, but billed). None of them ever makes a checkpoint look
         complete; this only reclaims space. Call it only when no save into
         ``directory`` is running: a running save's files look the same.
+
+        ``uploads_of``: where ``directory`` is shared (a bucket's root, a
+        prefix other jobs write under), a test of the name of the entry
+        directly in ``directory`` that an upload lies under; only uploads it
+        accepts are aborted (``lambda name: name.startswith("step-")``), so
+        another writer's upload in flight stays. None: every upload.
         """
         from shardkit.storage.atomic import is_temp_name
 

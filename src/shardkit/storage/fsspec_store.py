@@ -317,8 +317,8 @@ class FsspecStorage(Storage):
             self._delete_tree(entry)
         return [self.join(path, e.rsplit("/", 1)[-1]) for e in doomed] + self._abort_uploads_under(path)
 
-    def _abort_uploads_under(self, path: str) -> list[str]:
-        return self._abort_uploads(self._strip(path)) if self._protocol in _S3 else []
+    def _abort_uploads_under(self, path: str, uploads_of=None) -> list[str]:
+        return self._abort_uploads(self._strip(path), uploads_of) if self._protocol in _S3 else []
 
     def modified_time(self, path: str) -> float:
         return self.fs.modified(self._strip(path)).timestamp()
@@ -402,14 +402,27 @@ class FsspecStorage(Storage):
                 self.fs.rm_file(tmp)
             raise
 
-    def remove_orphans(self, directory: str) -> list[str]:
-        return super().remove_orphans(directory) + self._abort_uploads_under(directory)
+    def remove_orphans(self, directory: str, *, uploads_of=None) -> list[str]:
+        return super().remove_orphans(directory) + self._abort_uploads_under(directory, uploads_of)
 
-    def _abort_uploads(self, directory_key: str) -> list[str]:
+    def _abort_uploads(self, directory_key: str, uploads_of=None) -> list[str]:
+        """Abort the incomplete uploads under ``directory_key`` (all, or those under an entry ``uploads_of`` takes)."""
         bucket, _, key = directory_key.rstrip("/").partition("/")
-        listed = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key + "/" if key else "")
+        prefix = key + "/" if key else ""
         aborted = []
-        for upload in listed.get("Uploads", []):
+        for upload in self._incomplete_uploads(bucket, prefix):
+            if uploads_of is not None and not uploads_of(upload["Key"][len(prefix):].split("/", 1)[0]):
+                continue  # not the caller's: another job's upload in flight, perhaps
             self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
             aborted.append(f"{self._protocol}://{bucket}/{upload['Key']} (incomplete upload)")
         return aborted
+
+    def _incomplete_uploads(self, bucket: str, prefix: str) -> Iterator[dict]:
+        """Every incomplete multipart upload whose key starts with ``prefix``, page after page (1000 a page)."""
+        markers: dict[str, str] = {}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            yield from page.get("Uploads", [])
+            if not page.get("IsTruncated"):
+                return
+            markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
