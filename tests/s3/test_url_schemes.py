@@ -7,12 +7,15 @@ cleaned up like local ones.
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import fsspec
+import pytest
 import torch
 
 from shardkit.checkpoint import load_distributed, save_distributed, validate_distributed
+from shardkit.errors import MetadataError
 from shardkit.hf import find_latest_checkpoint, load_checkpoint, next_checkpoint_path, save_checkpoint
 from shardkit.storage import is_temp_name, storage_for, temp_name
 
@@ -46,3 +49,26 @@ def test_memory_urls_and_their_temporary_names():
 def test_file_urls(tmp_path):
     _roundtrip(f"file://{tmp_path}")
     assert (tmp_path / "dist" / "metadata.json").exists()
+
+
+@pytest.mark.parametrize("form", ["file://localhost{}", "file://LOCALHOST{}", "file:{}", "FILE://{}", "File://{}"])
+def test_file_url_forms_name_the_local_path(tmp_path, form):
+    # RFC 8089: no host or localhost, one slash or three, any case; percent-escapes decoded.
+    target = tmp_path / "a b" / "ck"
+    url = form.format(str(target.parent).replace(" ", "%20") + "/ck")
+    store, path = storage_for(url)
+    assert path == str(target)
+    save_distributed({"w": torch.ones(3)}, url, 0, 1, None)
+    assert (target / "metadata.json").exists()
+    assert torch.equal(load_distributed(url, 0, 1)["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("url, says", [
+    ("file://server/share/ck", "names the host 'server'"),
+    ("file://tmp/ck", "names the host 'tmp'"),          # two slashes: 'tmp' is a host
+    ("file:relative/ck", "not an absolute path"),
+    ("file:///tmp/lr?1", "query or fragment"),
+])
+def test_file_urls_that_name_no_local_path_are_refused(url, says):
+    with pytest.raises(MetadataError, match=re.escape(says)):
+        storage_for(url)

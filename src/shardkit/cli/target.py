@@ -41,9 +41,14 @@ def checkpoint_kind(path: str) -> str:
 
     Local checks use only ``os`` calls (no torch import), so bad input fails fast.
     """
-    if "://" in path and not path.startswith("file://"):
+    if path[:5].lower() == "file:":
+        from shardkit.storage.backend import file_url_path  # storage_for's own reading of it (imports torch)
+
+        local = file_url_path(path)
+    elif "://" in path:
         return HF if _remote_is_hf(path) else DISTRIBUTED
-    local = path[len("file://"):] if path.startswith("file://") else path
+    else:
+        local = path
     if not os.path.exists(local):
         raise InputError(f"{path} does not exist; pass a checkpoint directory")
     if not os.path.isdir(local):

@@ -5,7 +5,9 @@ a rank needs; ``shardkit.checkpoint`` plans that and calls in here.
 """
 
 from shardkit.storage.atomic import atomic_local_writer, fsync_dir, is_temp_name, start_writeback, temp_name
-from shardkit.storage.backend import BufferReader, FsspecStorage, LocalStorage, Reader, Storage, storage_for
+from shardkit.storage.backend import (
+    BufferReader, FsspecStorage, LocalStorage, Reader, Storage, file_url_path, storage_for,
+)
 from shardkit.storage.base import StreamSink
 from shardkit.storage.fsspec_store import fetched_bytes
 from shardkit.storage.lock import is_lock_name
@@ -45,6 +47,7 @@ __all__ = [
     "check_relative_name",
     "fetched_bytes",
     "file_layout",
+    "file_url_path",
     "fsync_dir",
     "is_lock_name",
     "is_temp_name",

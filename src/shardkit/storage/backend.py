@@ -1,6 +1,6 @@
 """Where bytes live: :func:`storage_for` picks the backend for a path.
 
-Plain paths (and ``file://``) go to :class:`LocalStorage` (``storage.local``),
+Plain paths (and ``file:`` URLs, read per RFC 8089 by :func:`file_url_path`) go to :class:`LocalStorage` (``storage.local``),
 which uses ``os`` calls directly (positional reads, fsync, atomic rename);
 anything with another scheme (``s3://``, ``memory://``, ...) goes to
 :class:`FsspecStorage` (``storage.fsspec_store``). The interface is in
@@ -19,19 +19,47 @@ Example::
 from __future__ import annotations
 
 import os
+import urllib.parse
 
+from shardkit.errors import MetadataError
 from shardkit.storage.base import BufferReader, Reader, Storage
 from shardkit.storage.fsspec_store import FsspecStorage
 from shardkit.storage.local import LocalStorage, check_regular_file
 
-__all__ = ["BufferReader", "Reader", "Storage", "LocalStorage", "FsspecStorage", "storage_for", "check_regular_file"]
+__all__ = ["BufferReader", "Reader", "Storage", "LocalStorage", "FsspecStorage", "storage_for", "check_regular_file",
+           "file_url_path"]
 
 
 def storage_for(path: str | os.PathLike) -> tuple[Storage, str]:
-    """The backend for ``path`` and the path as that backend spells it."""
+    """The backend for ``path`` and the path as that backend spells it (a ``file:`` URL as its local path)."""
     path = os.fspath(path)
-    if "://" in path and not path.startswith("file://"):
+    if path[:5].lower() == "file:":
+        return LocalStorage(), file_url_path(path)
+    if "://" in path:
         return FsspecStorage(path), path
-    if path.startswith("file://"):
-        path = path[len("file://") :]
     return LocalStorage(), path
+
+
+def file_url_path(url: str) -> str:
+    """The local path a ``file:`` URL names (RFC 8089), percent-decoded.
+
+    Taken: ``file:///p``, ``file://localhost/p`` and ``file:/p``, in any
+    case (``FILE:///p``). Refused with :class:`MetadataError`: another host
+    (``file://server/p`` is a network path, not this machine's), a relative
+    form (``file:p``, ``file://p`` where ``p`` has no host), a query or a
+    fragment (``?``, ``#``: percent-encode them as ``%3F``, ``%23``).
+    Example: ``file_url_path("file:///tmp/a%20b") == "/tmp/a b"``.
+    """
+    parts = urllib.parse.urlsplit(url)
+    problem = None
+    if parts.netloc.lower() not in ("", "localhost"):
+        problem = (f"names the host {parts.netloc!r}; only this machine's files are read (no host, or "
+                   f"localhost): write file:///path, or mount the share and pass its local path")
+    elif not parts.path.startswith("/"):
+        problem = "is not an absolute path; write file:///absolute/path, or pass a plain (relative) path"
+    elif "?" in url or "#" in url:
+        problem = ("has a query or fragment ('?' or '#'), which name no file; percent-encode them in a file "
+                   "name (%3F, %23), or pass the plain path")
+    if problem:
+        raise MetadataError(f"the file URL {url!r} {problem}")
+    return urllib.parse.unquote(parts.path)
