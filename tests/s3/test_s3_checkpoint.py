@@ -116,3 +116,17 @@ def test_cli_inspect_and_validate_take_s3_urls(s3_url, capsys):
     assert main(["validate", s3_url]) == 0
     assert "ok" in capsys.readouterr().out
     assert main(["validate", s3_url + "-absent"]) != 0
+
+
+def test_a_missing_bucket_is_a_typed_error_and_is_never_created(s3_server, s3fs_client):
+    import uuid
+
+    from shardkit.checkpoint import CheckpointManager, save
+    from shardkit.errors import MissingShardError
+
+    bucket = f"nosuch-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(MissingShardError, match=f"bucket '{bucket}'.*does not exist.*Create it first"):
+        save({"w": torch.ones(2)}, f"s3://{bucket}/ck")
+    with pytest.raises(MissingShardError, match=f"bucket '{bucket}'"):
+        CheckpointManager(f"s3://{bucket}/run")
+    assert not s3fs_client.exists(bucket)   # was: created, so a mistyped name went unnoticed

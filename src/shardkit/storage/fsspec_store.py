@@ -40,7 +40,7 @@ import threading
 from typing import BinaryIO, Iterator
 
 from shardkit import knobs
-from shardkit.errors import MissingShardError
+from shardkit.errors import MetadataError, MissingShardError
 from shardkit.storage.atomic import temp_name
 from shardkit.storage.base import Reader, Storage
 from shardkit.storage.lock import is_lock_name
@@ -219,7 +219,27 @@ class FsspecStorage(Storage):
         return int(self.fs.size(self._strip(path)))
 
     def makedirs(self, path: str) -> None:
-        self.fs.makedirs(self._strip(path), exist_ok=True)
+        """Object stores: a prefix needs no making, and a bucket is never made (a mistyped name would be
+        created silently): a missing one is a :class:`MissingShardError`. Other stores: ``fs.makedirs``."""
+        if self._protocol in _PUBLISH_ON_CLOSE:
+            self._require_bucket(path)
+        else:
+            self.fs.makedirs(self._strip(path), exist_ok=True)
+
+    def _require_bucket(self, path: str) -> None:
+        bucket = self._strip(path).split("/", 1)[0]
+        if not bucket:
+            raise MetadataError(f"{path} names no bucket; write {self._protocol}://<bucket>/<path>")
+        try:
+            if self._protocol in _S3:
+                self.fs.call_s3("head_bucket", Bucket=bucket)   # one request; a 404 is FileNotFoundError
+            elif not self.fs.exists(bucket):
+                raise FileNotFoundError(bucket)
+        except FileNotFoundError as e:
+            raise MissingShardError(
+                f"the bucket {bucket!r} of {path} does not exist; nothing was written, and no bucket is "
+                f"created for you (a mistyped name would be). Create it first (for S3: aws s3 mb "
+                f"{self._protocol}://{bucket}), or fix the bucket name in the URL") from e
 
     def listdir(self, path: str) -> list[str]:
         try:
