@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from shardkit.checkpoint.async_save import CheckpointFuture, _dedicated_gloo_group
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
-from shardkit.checkpoint.dtensor_layout import local_box
+from shardkit.checkpoint.dtensor_layout import local_box, outside_mesh
 from shardkit.checkpoint.group import resolve_group
 from shardkit.checkpoint.load_into import _leaves, _replace_plain, load_into
 from shardkit.checkpoint.logs import logged
@@ -131,7 +131,9 @@ def _load_open(state_dict, ck, rank: int, world_size: int, strict: bool, rank_st
         if tuple(t.shape) != tuple(saved.spec.full_shape):
             raise TensorMismatchError(f"tensor {name!r} has global shape {list(t.shape)}, the checkpoint saved "
                                       f"{list(saved.spec.full_shape)}; build the model with the saved shapes")
-        boxes[name], targets[name] = local_box(name, t)
+        box_and_local = local_box(name, t)
+        if not outside_mesh(t):  # a rank outside the DTensor's mesh holds nothing of it to fill
+            boxes[name], targets[name] = box_and_local
     for name in others:
         if name in m.tensors:
             raise TensorMismatchError(f"state_dict's leaf {name!r} is not a tensor, but the checkpoint holds a "

@@ -19,12 +19,16 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardkit.errors import TensorMismatchError
-from shardkit.layout import Box, whole_box
+from shardkit.layout import Box, cover_problem, whole_box
 
 try:  # private torch API: without it every box is exchanged instead of computed
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
@@ -35,8 +39,8 @@ try:
 except ImportError:  # pragma: no cover - depends on the torch version
     _StridedShard = None
 
-__all__ = ["is_dtensor", "local_box", "global_shape", "placement_code", "is_shard", "is_known_placement",
-           "tiles_by_construction", "predicted_box"]
+__all__ = ["is_dtensor", "local_box", "outside_mesh", "global_shape", "placement_code", "is_shard",
+           "is_known_placement", "tiles_by_construction", "predicted_box"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -60,14 +64,48 @@ def local_box(name: str, t: torch.Tensor) -> tuple[Box, torch.Tensor]:
     if any(p.is_partial() for p in t.placements):
         raise TensorMismatchError(f"tensor {name!r} is a DTensor with a Partial placement {t.placements}; its "
                                   f"values are not reduced yet. Redistribute it to Shard/Replicate before saving")
+    _check_layout(name, t)
+    if outside_mesh(t):
+        return Box(tuple(0 for _ in t.shape), tuple(0 for _ in t.shape)), local
     sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     sizes, offsets = tuple(int(s) for s in sizes), tuple(int(o) for o in offsets)
-    if t.device_mesh.get_coordinate() is None:
-        return Box(tuple(0 for _ in t.shape), tuple(0 for _ in t.shape)), local
     if tuple(local.shape) != sizes:
         raise TensorMismatchError(f"DTensor {name!r} has a local tensor of shape {list(local.shape)}, but its "
                                   f"placements {t.placements} give this rank {list(sizes)} at {list(offsets)}")
     return Box(offsets, sizes), local
+
+
+def outside_mesh(t: torch.Tensor) -> bool:
+    """A DTensor whose mesh this rank is not part of: it holds nothing of the tensor."""
+    return isinstance(t, DTensor) and t.device_mesh.get_coordinate() is None
+
+
+def _check_layout(name: str, t: DTensor) -> None:
+    """Refuse placements whose local parts are not one box each: one box per rank is what is saved and filled."""
+    unknown = [p for p in t.placements if not is_known_placement(p)]
+    if unknown:
+        raise TensorMismatchError(
+            f"tensor {name!r} is a DTensor with placement(s) {unknown} that shardkit cannot lay out (it knows "
+            "Shard, Replicate and the _StridedShard FSDP2 puts over tensor parallelism); redistribute it to "
+            "Shard/Replicate first. Nothing was written or read.")
+    if all(map(tiles_by_construction, t.placements)):
+        return
+    if not _boxes_tile(tuple(t.shape), tuple(t.device_mesh.shape), tuple(t.placements)):
+        raise TensorMismatchError(
+            f"tensor {name!r} is a DTensor whose placements {tuple(t.placements)} on a mesh of "
+            f"{tuple(t.device_mesh.shape)} give a rank parts of the tensor that are not one contiguous box (strided "
+            "sharding whose rows interleave); shardkit saves and fills one box per rank. Redistribute it (e.g. to "
+            "the FSDP2 + tensor-parallel order torch produces, or to Shard/Replicate). Nothing was written or read.")
+
+
+@functools.lru_cache(maxsize=256)
+def _boxes_tile(shape, mesh_shape, placements) -> bool:
+    # The boxes of every mesh coordinate must cover the tensor once, replicas aside, else some
+    # rank's part is not one box (torch gives such a rank the box of its first rows only).
+    boxes = {predicted_box(shape, mesh_shape, c, placements) for c in itertools.product(*map(range, mesh_shape))}
+    if None in boxes:
+        return False
+    return cover_problem(shape, [b for b in boxes if math.prod(b.sizes)]) is None
 
 
 def is_shard(p) -> bool:
