@@ -64,12 +64,14 @@ TensorLike = Union[torch.Tensor, LazyTensor]
 
 def _materialise(t: TensorLike) -> torch.Tensor:
     t = (t.load() if isinstance(t, LazyTensor) else t).detach()
-    return (t.cpu() if t.device.type != "cpu" else t).contiguous()
+    # a conjugate or negative view keeps its sign in a bit, not in its bytes: resolve it first
+    return (t.cpu() if t.device.type != "cpu" else t).resolve_conj().resolve_neg().contiguous()
 
 
 def _ready_as_is(t: TensorLike) -> bool:
     """Whether ``_materialise(t)`` has nothing to do: a contiguous CPU tensor, no loader, no copy."""
-    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
+    return (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
 
 
 def write_safetensors(
