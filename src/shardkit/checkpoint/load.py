@@ -77,7 +77,10 @@ def load_distributed(dir, rank, world_size, *, keys=None, device="cpu", verify=N
     Sharded tensors come back as this rank's slice: the saved slice when
     ``world_size`` equals the saving world size, else the
     ``compute_shard_sizes`` split of the same dimension (resharding).
-    Replicated tensors come back whole, plain leaves as saved. ``keys``
+    Replicated tensors come back whole, and so do the tensors ``save``
+    wrote from DTensors (their layout is a mesh's, not a split of one
+    dimension: to read only this rank's box of those, ``load`` into DTensors
+    of the mesh you want); plain leaves come back as saved. ``keys``
     (dotted names or prefixes) restricts what is read. It does not load the
     other ranks' bytes. Seed-format directories come back as a flat dict.
 
