@@ -16,9 +16,9 @@ checkpointed block (its gradient arrives twice: ``UnsupportedOpError``; use
 ``no_sync`` reduces again (as torch's DDP does).
 
 Each bucket is reduced in a buffer of its own, and the results are copied
-into ``p.grad`` only when the whole ``backward`` has succeeded, on the
-thread that called it: a ``backward`` that raises leaves every ``p.grad`` as
-local autograd left it, and nothing writes into them afterwards.
+into ``p.grad`` only when the whole ``backward`` has succeeded, in its
+final callback: a ``backward`` that raises leaves every ``p.grad`` as local
+autograd left it, and nothing writes into them afterwards.
 
 Unused parameters: a trainable parameter that got no gradient on this rank
 in a synced step counts as a zero gradient in the average, and its ``grad``
