@@ -1,18 +1,13 @@
 """GPU communication rows: an NCCL group's two wait modes next to ``torch.distributed``.
 
 One process, one GPU, a one-rank NCCL group: what is measured is what a
-call costs the host and how the wait mode changes a training step, not the
-wire (one rank moves nothing). Rows, each timed over many back-to-back calls
-with a ``torch.cuda.synchronize()`` at both ends, every implementation
-interleaved per repetition:
-
-- ``all_reduce 16 B``: ``Group.all_reduce_`` (stream-ordered, the default),
-  the same group built with ``knobs.COMM_NCCL_BLOCKING_WAIT`` (host wait),
-  and ``torch.distributed.all_reduce`` on the same process group;
-- ``all_reduce 64 MiB``: the same three;
-- ``DDP step``: forward, backward and SGD step of 8 ``Linear(4096, 4096)``
-  layers on a 256-row batch, through ``shardkit.ddp`` in each wait mode,
-  with the same step without any DDP as the limit.
+call costs the host, not the wire (one rank moves nothing, and a DDP of one
+rank is a pass-through, so no training step is timed here). Rows, each
+timed over many back-to-back calls with a ``torch.cuda.synchronize()`` at
+both ends, every implementation interleaved per repetition: at 16 B and at
+64 MiB, ``Group.all_reduce_`` (stream-ordered, the default), the same group
+built with ``knobs.COMM_NCCL_BLOCKING_WAIT`` (host wait), and
+``torch.distributed.all_reduce`` on the same process group.
 
 Needs CUDA and NCCL; ``python -m shardkit.bench --only comm-gpu``. Nothing here
 asserts a time.
@@ -20,7 +15,6 @@ asserts a time.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 
@@ -30,12 +24,10 @@ import torch.distributed as dist
 from shardkit import knobs
 from shardkit.bench.common import row
 from shardkit.comm import Group
-from shardkit.ddp import DistributedDataParallel
 
 MIB = 1024 * 1024
 MIN_REPS = 5
 _CALLS = {16: 2000, 64 * MIB: 50}
-_STEPS = 30
 
 
 def _per_call_s(fn, calls: int) -> float:
@@ -73,26 +65,6 @@ def _collective_cases(groups):
         yield f"NCCL all_reduce 1 rank {label}", impls, calls, nbytes
 
 
-def _ddp_case(groups):
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda()
-    x = torch.randn(256, 4096, device="cuda")
-
-    def stepper(model):
-        opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-
-        def step():
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-        return step
-
-    impls = {impl: (stepper(DistributedDataParallel(copy.deepcopy(net), g)), _kind(impl))
-             for impl, g in groups.items()}
-    impls["the same step without DDP"] = (stepper(net), "limit")
-    yield "DDP step, 8 x Linear(4096)", impls, _STEPS, None
-
-
 def run_comm_gpu_benchmarks(reps: int = MIN_REPS) -> list[dict]:
     """The rows above; raises ``RuntimeError`` without CUDA and NCCL."""
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
@@ -100,19 +72,18 @@ def run_comm_gpu_benchmarks(reps: int = MIN_REPS) -> list[dict]:
     groups = _groups()
     rows = []
     try:
-        for cases in (_collective_cases(groups), _ddp_case(groups)):
-            for case, impls, calls, nbytes in cases:
-                for fn, _ in impls.values():
-                    _per_call_s(fn, 3)  # warm-up: communicator, allocator, kernels
-                times = {impl: [] for impl in impls}
-                for rep in range(max(MIN_REPS, reps)):
-                    order = list(impls.items())
-                    for impl, (fn, _) in order if rep % 2 == 0 else reversed(order):
-                        times[impl].append(_per_call_s(fn, calls))
-                for impl, (_, kind) in impls.items():
-                    ts = times[impl]
-                    timing = {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)}
-                    rows.append(row(case, impl, timing, kind=kind, **({"bytes": nbytes} if nbytes else {})))
+        for case, impls, calls, nbytes in _collective_cases(groups):
+            for fn, _ in impls.values():
+                _per_call_s(fn, 3)  # warm-up: communicator, allocator, kernels
+            times = {impl: [] for impl in impls}
+            for rep in range(max(MIN_REPS, reps)):
+                order = list(impls.items())
+                for impl, (fn, _) in order if rep % 2 == 0 else reversed(order):
+                    times[impl].append(_per_call_s(fn, calls))
+            for impl, (_, kind) in impls.items():
+                ts = times[impl]
+                timing = {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)}
+                rows.append(row(case, impl, timing, kind=kind, bytes=nbytes))
     finally:
         for g in groups.values():
             g.close()

@@ -18,7 +18,7 @@ SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", 
 #: What runs without ``--only``: ``offline`` (the CLI tools against DCP, two extra source checkpoints and
 #: rank processes), ``scale`` (8/32/64 ranks as processes, then as threads, tiny tensors; ``--size`` does not apply) and ``s3``
 #: (a SeaweedFS server on loopback; needs the ``weed`` binary of requirements-dev.txt) and ``comm-gpu``
-#: (an NCCL group's wait modes and a DDP step on one GPU; needs CUDA) run only when asked for.
+#: (an NCCL group's wait modes on one GPU; needs CUDA) run only when asked for.
 DEFAULT_SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 
 
