@@ -58,7 +58,9 @@ def validate_distributed(dir, *, hash_bytes: bool = True, progress=None) -> Vali
     ``progress(advance_bytes, total_bytes)``, if given, is called after each
     data file is checked (the CLI draws a progress bar with it).
 
-    A damaged or hostile directory gives problems, never an exception; time
+    A damaged or hostile directory gives problems, never an exception, and so
+    does a storage failure (an unreachable object store, a refused permission:
+    the ``CheckpointIOError`` message becomes the problem); time
     and memory are linear in the metadata and the data files' real sizes
     (blocks are hashed through a buffer of at most ``knobs.IO_CHUNK_BYTES``).
 
@@ -85,7 +87,7 @@ def validate_distributed(dir, *, hash_bytes: bool = True, progress=None) -> Vali
     dtypes: dict[str, tuple[str, str]] = {}  # tensor -> (dtype, file) first seen: files must agree
     for rank in range(m.num_ranks):
         name = data_file_name(rank)
-        if name not in present if present is not None else not storage.exists(storage.join(directory, name)):
+        if _missing(storage, directory, name, present):
             missing.append(rank)
             continue
         _check_file(storage, directory, m, rank, records.get(name), chunks.get(name, []), report.problems,
@@ -108,6 +110,16 @@ def _present_names(storage, directory: str) -> set[str] | None:
         return set(storage.listdir(directory))
     except (OSError, NotImplementedError):
         return None
+
+
+def _missing(storage, directory: str, name: str, present: set[str] | None) -> bool:
+    """Whether ``name`` is known to be absent; a failed look-up says no (checking the file reports the failure)."""
+    if present is not None:
+        return name not in present
+    try:
+        return not storage.exists(storage.join(directory, name))
+    except OSError:
+        return False
 
 
 def _check_file(storage, directory: str, m: Manifest, rank: int, record: FileRecord | None,

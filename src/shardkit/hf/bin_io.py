@@ -18,7 +18,7 @@ import zipfile
 
 import torch
 
-from shardkit.errors import MetadataError, MissingShardError
+from shardkit.errors import CheckpointIOError, MetadataError, MissingShardError
 from shardkit.hf.untrusted import PARSE_FAILURES, hostile_input, require_regular_file
 from shardkit.storage import Storage
 
@@ -51,8 +51,8 @@ def read_bin_shard(storage: Storage, path: str) -> dict[str, torch.Tensor]:
             _check_zip_members(path, source, storage.size_bytes(path))
             source.seek(0)
             obj = torch.load(source, map_location="cpu", weights_only=True)
-    except (MemoryError, PermissionError, MetadataError):
-        raise
+    except (MemoryError, PermissionError, MetadataError, CheckpointIOError):
+        raise  # CheckpointIOError: the store failed while reading; the file was not judged
     except Exception as e:  # noqa: BLE001 -- a damaged pickle/zip fails in many ways; all mean "refused"
         raise MetadataError(
             f"{path} was refused by torch.load(weights_only=True): it holds objects other than "

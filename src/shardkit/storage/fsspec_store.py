@@ -21,6 +21,12 @@ of a gather read are one range), never a whole object or a read-ahead
 block: :func:`fetched_bytes` counts them. On S3 the bodies stream straight
 into the caller's buffers.
 
+Failures of the store's client (botocore, aiohttp, s3fs's own ``OSError``: an
+unreachable endpoint, a refused permission, a broken transfer) are raised as
+:class:`~shardkit.errors.CheckpointIOError` naming the URL and the operation
+(``storage.store_errors``); a missing object stays a ``FileNotFoundError`` /
+:class:`~shardkit.errors.MissingShardError`.
+
 Configuration (endpoint, credentials) is fsspec's own: ``fsspec.config.conf``
 or ``FSSPEC_S3_ENDPOINT_URL``-style environment variables, or botocore's
 (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...).
@@ -44,13 +50,16 @@ from shardkit.errors import MetadataError, MissingShardError
 from shardkit.storage.atomic import temp_name
 from shardkit.storage.base import Reader, Storage
 from shardkit.storage.lock import is_lock_name
-from shardkit.storage.s3_upload import S3MultipartWriter, S3PartSink
+from shardkit.storage.s3_upload import NOTHING_PUBLISHED, S3MultipartWriter, S3PartSink
+from shardkit.storage.store_errors import store_errors, translated
 
 __all__ = ["FsspecStorage", "fetched_bytes"]
 
 #: Protocols whose stores publish an object only when its upload completes.
 _PUBLISH_ON_CLOSE = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 _S3 = frozenset({"s3", "s3a"})
+#: What a failed removal leaves.
+_REMOVAL_OUTCOME = "Some of what was to be removed may still be there; removing it again is safe."
 #: The most keys one S3 DeleteObjects request takes.
 _DELETE_BATCH = 1000
 
@@ -116,7 +125,8 @@ class _RangeReader(Reader):
             return
         self.check_inside(offset, wanted)
         parts = _parts(offset, views, max(1, knobs.OBJECT_PART_BYTES))
-        got = self._fetch(parts)
+        with store_errors(self.name, "read"):
+            got = self._fetch(parts)
         if got != wanted:
             raise self._short(offset, wanted, got)
         _count_fetched(got)
@@ -196,6 +206,35 @@ class _S3RangeReader(_RangeReader):
         return got
 
 
+class _StoreFile:
+    """A file ``FsspecStorage.open_file`` opened: its reads raise the store's failures typed
+    (``store_errors``); every other attribute is the fsspec file's own."""
+
+    def __init__(self, f, url: str):
+        self._f, self._url = f, url
+
+    def read(self, *args):
+        with store_errors(self._url, "read"):
+            return self._f.read(*args)
+
+    def readinto(self, buffer):
+        with store_errors(self._url, "read"):
+            return self._f.readinto(buffer)
+
+    def readline(self, *args):
+        with store_errors(self._url, "read"):
+            return self._f.readline(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+
 class FsspecStorage(Storage):
     """Any fsspec filesystem: object stores publish on upload completion, others by a move."""
 
@@ -212,12 +251,15 @@ class FsspecStorage(Storage):
     def join(self, *parts: str) -> str:
         return "/".join(p.rstrip("/") for p in parts)
 
+    @translated("check whether there is anything at")
     def exists(self, path: str) -> bool:
         return self.fs.exists(self._strip(path))
 
+    @translated("read the size of")
     def size_bytes(self, path: str) -> int:
         return int(self.fs.size(self._strip(path)))
 
+    @translated("make the directory", "Nothing was written.")
     def makedirs(self, path: str) -> None:
         """Object stores: a prefix needs no making, and a bucket is never made (a mistyped name would be
         created silently): a missing one is a :class:`MissingShardError`. Other stores: ``fs.makedirs``."""
@@ -241,6 +283,7 @@ class FsspecStorage(Storage):
                 f"created for you (a mistyped name would be). Create it first (for S3: aws s3 mb "
                 f"{self._protocol}://{bucket}), or fix the bucket name in the URL") from e
 
+    @translated("list")
     def listdir(self, path: str) -> list[str]:
         try:
             entries = self.fs.ls(self._strip(path), detail=False)
@@ -248,10 +291,12 @@ class FsspecStorage(Storage):
             return []
         return sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in entries})
 
+    @translated("remove", _REMOVAL_OUTCOME)
     def remove(self, path: str) -> None:
         # One exact key: ``fs.rm`` would expand ``[ ] * ?`` in the name as a glob pattern.
         self.fs.rm_file(self._strip(path))
 
+    @translated("remove", _REMOVAL_OUTCOME)
     def remove_files(self, paths: list[str]) -> None:
         if self._protocol not in _S3:
             return super().remove_files(paths)
@@ -276,9 +321,11 @@ class FsspecStorage(Storage):
         for key in keys:
             self.fs.invalidate_cache(f"{bucket}/{key}")
 
+    @translated("look up")
     def isdir(self, path: str) -> bool:
         return self.fs.isdir(self._strip(path))
 
+    @translated("remove", _REMOVAL_OUTCOME)
     def remove_tree(self, path: str) -> None:
         self._delete_tree(self._strip(path).rstrip("/"))
         self._abort_uploads_under(path)
@@ -323,6 +370,7 @@ class FsspecStorage(Storage):
                 self._remove_folder_entries(name)
         self.fs.call_s3("delete_object", Bucket=bucket, Key=prefix + "/")
 
+    @translated("clear", _REMOVAL_OUTCOME)
     def clear_directory(self, path: str) -> list[str]:
         # One listing and one bulk delete; writer_lock keeps no lock objects here, but a
         # name is still spared the way the interface says.
@@ -340,18 +388,21 @@ class FsspecStorage(Storage):
     def _abort_uploads_under(self, path: str, uploads_of=None) -> list[str]:
         return self._abort_uploads(self._strip(path), uploads_of) if self._protocol in _S3 else []
 
+    @translated("read the modification time of")
     def modified_time(self, path: str) -> float:
         return self.fs.modified(self._strip(path)).timestamp()
 
     def same_path(self, path: str) -> str:
         return f"{self._protocol}://{self._strip(path).rstrip('/')}"
 
+    @translated("open")
     def open_file(self, path: str):
         try:
-            return self.fs.open(self._strip(path), "rb", block_size=knobs.OBJECT_PART_BYTES)
+            return _StoreFile(self.fs.open(self._strip(path), "rb", block_size=knobs.OBJECT_PART_BYTES), path)
         except FileNotFoundError as e:
             raise MissingShardError(f"{path} does not exist") from e
 
+    @translated("open")
     def open_reader(self, path: str) -> Reader:
         stripped = self._strip(path)
         try:
@@ -378,15 +429,17 @@ class FsspecStorage(Storage):
 
     def atomic_writer(self, path: str, durable: bool = True):
         # Stores persist on close; ``durable`` changes nothing here.
+        # The store's failures in the writer's own calls are typed (``store_errors``; the S3
+        # upload types its own); what the caller's block raises is left as it is.
         if self._protocol in _S3:
-            return self._s3_writer(self._strip(path))
+            return self._s3_writer(path)
         if self._protocol in _PUBLISH_ON_CLOSE:
-            return self._direct_writer(self._strip(path))
-        return self._moved_writer(self._strip(path))
+            return self._direct_writer(path)
+        return self._moved_writer(path)
 
     @contextlib.contextmanager
-    def _s3_writer(self, key: str) -> Iterator[BinaryIO]:
-        f = S3MultipartWriter(self.fs, key)
+    def _s3_writer(self, path: str) -> Iterator[BinaryIO]:
+        f = S3MultipartWriter(self.fs, self._strip(path))
         try:
             yield f
             f.commit()
@@ -395,8 +448,9 @@ class FsspecStorage(Storage):
             raise
 
     @contextlib.contextmanager
-    def _direct_writer(self, key: str) -> Iterator[BinaryIO]:
-        f = self.fs.open(key, "wb", block_size=knobs.OBJECT_PART_BYTES)
+    def _direct_writer(self, path: str) -> Iterator[BinaryIO]:
+        with store_errors(path, "open for writing", NOTHING_PUBLISHED):
+            f = self.fs.open(self._strip(path), "wb", block_size=knobs.OBJECT_PART_BYTES)
         try:
             yield f
         except BaseException:
@@ -405,23 +459,32 @@ class FsspecStorage(Storage):
             with contextlib.suppress(Exception):
                 f.closed = True  # and never closed (published) later by the garbage collector
             raise
-        f.close()
+        with store_errors(path, "write", NOTHING_PUBLISHED):
+            f.close()
 
     @contextlib.contextmanager
-    def _moved_writer(self, key: str) -> Iterator[BinaryIO]:
+    def _moved_writer(self, path: str) -> Iterator[BinaryIO]:
+        key = self._strip(path)
         parent, _, name = key.rpartition("/")
         tmp = f"{parent}/{temp_name(name)}" if parent else temp_name(name)
         try:
-            with self.fs.open(tmp, "wb") as f:
+            with store_errors(path, "open a temporary object for", NOTHING_PUBLISHED):
+                f = self.fs.open(tmp, "wb")
+            try:
                 yield f
-            # Single-file calls: ``fs.mv`` / ``fs.rm`` expand ``[ ] * ?`` in a name as glob patterns.
-            self.fs.cp_file(tmp, key)
-            self.fs.rm_file(tmp)
+            finally:
+                with store_errors(path, "write", NOTHING_PUBLISHED):
+                    f.close()
+            with store_errors(path, "publish", NOTHING_PUBLISHED):
+                # Single-file calls: ``fs.mv`` / ``fs.rm`` expand ``[ ] * ?`` in a name as glob patterns.
+                self.fs.cp_file(tmp, key)
+                self.fs.rm_file(tmp)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.fs.rm_file(tmp)
             raise
 
+    @translated("remove the leftovers of unfinished saves in", _REMOVAL_OUTCOME)
     def remove_orphans(self, directory: str, *, uploads_of=None) -> list[str]:
         return super().remove_orphans(directory) + self._abort_uploads_under(directory, uploads_of)
 

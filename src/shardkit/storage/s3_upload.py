@@ -27,8 +27,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from shardkit import knobs
 from shardkit.errors import CheckpointIOError
+from shardkit.storage.store_errors import store_errors
 
-__all__ = ["S3MultipartWriter", "S3PartSink"]
+__all__ = ["NOTHING_PUBLISHED", "S3MultipartWriter", "S3PartSink"]
+
+#: What a failed upload leaves.
+NOTHING_PUBLISHED = ("Nothing was published under that name: the object there before (if any) and every "
+                     "checkpoint already saved are untouched.")
 
 #: S3's smallest part (all but the last part of an upload must be at least this big).
 _MIN_PART_BYTES = 5 * 1024 * 1024
@@ -201,7 +206,7 @@ class S3MultipartWriter:
     def _send_part(self, views: list[memoryview]) -> None:
         in_flight = max(1, knobs.OBJECT_UPLOAD_PARTS_IN_FLIGHT)
         if self._upload_id is None:
-            self._upload_id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)["UploadId"]
+            self._upload_id = self._call("create_multipart_upload", Bucket=self._bucket, Key=self._key)["UploadId"]
             self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="shardkit-s3-part")
         self._in_flight = [f for f in self._in_flight if not f.done()]
         while len(self._in_flight) >= in_flight:
@@ -221,9 +226,14 @@ class S3MultipartWriter:
 
     def _upload_part(self, number: int, body: memoryview) -> dict:
         _send_without_expect_continue(self._fs)
-        out = self._fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key, PartNumber=number,
-                               UploadId=self._upload_id, Body=_ViewBody(body), ChecksumCRC32=_crc32_header(body))
+        out = self._call("upload_part", Bucket=self._bucket, Key=self._key, PartNumber=number,
+                         UploadId=self._upload_id, Body=_ViewBody(body), ChecksumCRC32=_crc32_header(body))
         return {"PartNumber": number, "ETag": out["ETag"]}
+
+    def _call(self, operation: str, **kwargs) -> dict:
+        """One S3 request of this upload; the client's failures raised as ``CheckpointIOError`` (``store_errors``)."""
+        with store_errors(f"s3://{self._bucket}/{self._key}", "upload", NOTHING_PUBLISHED):
+            return self._fs.call_s3(operation, **kwargs)
 
     def commit(self) -> None:
         rest = [v for views in self._ready for v in views] + self._pending
@@ -231,14 +241,14 @@ class S3MultipartWriter:
         if self._upload_id is None:  # small: one PUT publishes it whole
             body = memoryview(b"".join(rest))
             _send_without_expect_continue(self._fs)
-            self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=_ViewBody(body),
-                             ChecksumCRC32=_crc32_header(body))
+            self._call("put_object", Bucket=self._bucket, Key=self._key, Body=_ViewBody(body),
+                       ChecksumCRC32=_crc32_header(body))
         else:
             if rest:
                 self._send_part(rest)
             parts = [f.result() for f in self._parts]
-            self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
-                             UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+            self._call("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
+                       UploadId=self._upload_id, MultipartUpload={"Parts": parts})
             self._pool.shutdown(wait=True)
         self._fs.invalidate_cache(f"{self._bucket}/{self._key}")
 
