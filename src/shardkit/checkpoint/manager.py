@@ -65,7 +65,8 @@ from shardkit.errors import (
     AsyncWaitTimeout, CheckpointError, CheckpointExistsError, IncompleteCheckpointError, MetadataError,
 )
 from shardkit.storage import Storage, is_temp_name, storage_for
-from shardkit.storage.json_io import NON_FINITE, non_finite_name
+from shardkit.checkpoint.manager_metrics import encode_metrics, parse_best
+from shardkit.storage.json_io import NON_FINITE
 
 __all__ = ["CheckpointManager", "step_dir_name"]
 
@@ -96,7 +97,7 @@ class CheckpointManager:
                                 f"got {keep_last!r}")
         self._storage, self.root = storage_for(os.fspath(root))
         self.group, self.keep_last, self.async_save = group, keep_last, async_save
-        self.best = _parse_best(best)
+        self.best = parse_best(best)
         self._coordinator, self.rank, self.world_size = resolve_world(group)
         self._future = None
         self._rotation: threading.Event | None = None  # set when the blocking save's rotation is over
@@ -143,7 +144,7 @@ class CheckpointManager:
             raise CheckpointError("this CheckpointManager is closed; create a new one to save again")
         if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**18:
             raise MetadataError(f"step must be an integer from 0 to 10**18 - 1, got {step!r}")
-        metadata = {_KEY: {"step": step, "metrics": _encode_metrics(metrics)}}
+        metadata = {_KEY: {"step": step, "metrics": encode_metrics(metrics)}}
         self.wait()
         self._refuse_to_save(step)
         prep = prepare(state_dict, self._coordinator, self.rank, self.world_size, metadata, rank_state)
@@ -389,52 +390,6 @@ def _owned_name(name: str) -> bool:
 
 def _left_s(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def _encode_metrics(metrics) -> dict:
-    """``metrics`` as JSON numbers (a non-finite one by its ``json_io.NON_FINITE`` name); ``MetadataError``
-    naming the key for anything else. Runs before anything is waited for or written."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, dict):
-        raise MetadataError(f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
-    return {_metric_name(key): _metric_value(key, value) for key, value in metrics.items()}
-
-
-def _metric_name(key) -> str:
-    if not isinstance(key, str):
-        raise MetadataError(f"metric names must be strings, got {key!r}")
-    return key
-
-
-def _metric_value(key: str, value):
-    number = _as_number(value)
-    if isinstance(number, bool) or not isinstance(number, (int, float)):
-        raise MetadataError(f"metric {key!r} is {type(value).__name__} {str(value)[:80]}; metrics are numbers "
-                            f"(pass float(...) of it)")
-    if isinstance(number, int) or math.isfinite(number):
-        return number
-    return non_finite_name(number)  # JSON has no NaN; metrics() gives the float back
-
-
-def _as_number(value):
-    """``value``, or its ``.item()`` when it is a one-element tensor or numpy value."""
-    if isinstance(value, (int, float)):
-        return value
-    try:
-        return value.item()
-    except (AttributeError, ValueError, RuntimeError):  # not an array, or more than one element
-        return value
-
-
-def _parse_best(best):
-    if best is None:
-        return None
-    if isinstance(best, str):
-        return best, "min"
-    if isinstance(best, (tuple, list)) and len(best) == 2 and best[1] in ("min", "max"):
-        return str(best[0]), best[1]
-    raise MetadataError(f"best must be None, a metric name or (name, 'min' | 'max'), got {best!r}")
 
 
 def _remove_step_dir(storage: Storage, path: str, *, keep_locks: bool = False) -> None:
