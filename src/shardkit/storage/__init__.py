@@ -4,28 +4,42 @@ This layer knows files and bytes only. It never decides which tensor bytes
 a rank needs; ``shardkit.checkpoint`` plans that and calls in here.
 """
 
-from shardkit.storage.atomic import atomic_local_writer, fsync_dir, is_temp_name, start_writeback, temp_name
-from shardkit.storage.backend import (
-    BufferReader, FsspecStorage, LocalStorage, Reader, Storage, file_url_path, storage_for,
-)
-from shardkit.storage.base import StreamSink
-from shardkit.storage.fsspec_store import fetched_bytes
-from shardkit.storage.lock import is_lock_name
-from shardkit.storage.checksum import ALGORITHM, BlockHasher, FileRecord, new_block_hasher
-from shardkit.storage.json_io import parse_json_object
-from shardkit.storage.parallel import run_parallel
-from shardkit.storage.paths import check_relative_name
-from shardkit.storage.safetensors_header import (
-    FileLayout,
-    SafetensorsHeader,
-    TensorEntry,
-    build_header,
-    file_layout,
-    parse_header,
-    read_header,
-)
-from shardkit.storage.tensor_io import byte_view, read_ranges
-from shardkit.storage.writer import LazyTensor, TensorLike, write_safetensors
+import importlib
+
+#: Where each name lives. Loaded on first use (PEP 562), so that importing one
+#: light submodule (``storage.json_io`` for the CLI's ``--help``) does not
+#: import torch through the safetensors and tensor modules.
+_HOMES = {
+    "atomic": ["atomic_local_writer", "fsync_dir", "is_temp_name", "start_writeback", "temp_name"],
+    "backend": ["BufferReader", "FsspecStorage", "LocalStorage", "Reader", "Storage", "file_url_path",
+                "storage_for"],
+    "base": ["StreamSink"],
+    "fsspec_readers": ["fetched_bytes"],
+    "lock": ["is_lock_name"],
+    "checksum": ["ALGORITHM", "BlockHasher", "FileRecord", "new_block_hasher"],
+    "json_io": ["parse_json_object"],
+    "parallel": ["run_parallel"],
+    "paths": ["check_relative_name"],
+    "safetensors_header": ["FileLayout", "SafetensorsHeader", "TensorEntry", "build_header", "file_layout",
+                           "parse_header", "read_header"],
+    "tensor_io": ["byte_view", "read_ranges"],
+    "writer": ["LazyTensor", "TensorLike", "write_safetensors"],
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _HOME_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardkit.storage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"shardkit.storage.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME_OF))
+
 
 __all__ = [
     "ALGORITHM",
