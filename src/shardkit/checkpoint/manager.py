@@ -60,12 +60,12 @@ from shardkit.checkpoint.api import (
 )
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.group import broadcast_json
+from shardkit.checkpoint.manager_metrics import encode_metrics, parse_best
 from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
 from shardkit.errors import (
     AsyncWaitTimeout, CheckpointError, CheckpointExistsError, IncompleteCheckpointError, MetadataError,
 )
 from shardkit.storage import Storage, is_temp_name, storage_for
-from shardkit.checkpoint.manager_metrics import encode_metrics, parse_best
 from shardkit.storage.json_io import NON_FINITE
 
 __all__ = ["CheckpointManager", "step_dir_name"]
