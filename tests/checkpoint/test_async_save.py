@@ -148,7 +148,7 @@ def test_without_reuse_no_buffers_are_kept(fake, tmp_path):
 def test_staging_failure_raises_at_once_ends_the_writer_and_frees_the_slot(fake, tmp_path, monkeypatch):
     ckpt = _ckpt(tmp_path)
 
-    def boom(state, buffers, *args):
+    def boom(state, buffers, *args, **kwargs):
         raise MemoryError("host memory exhausted")
 
     monkeypatch.setattr(async_save, "stage", boom)

@@ -96,7 +96,7 @@ def test_an_interrupted_close_tears_nothing_down_and_a_second_close_finishes_the
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_failed_rotation_is_logged_and_the_committed_step_is_not_called_failed(tmp_path, monkeypatch, caplog,
                                                                                 async_save):
-    remove = manager_module._remove_step_dir
+    remove = manager_module.remove_step_dir
 
     def refuse(storage, path, *, keep_locks=False):
         if keep_locks:  # clearing the step being saved: not rotation
@@ -107,7 +107,7 @@ def test_a_failed_rotation_is_logged_and_the_committed_step_is_not_called_failed
     mgr.save(1, _state(1))
     mgr.wait()
     with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="shardkit"):
-        m.setattr(manager_module, "_remove_step_dir", refuse)
+        m.setattr(manager_module, "remove_step_dir", refuse)
         mgr.save(2, _state(2))
         mgr.wait()  # raised "the checkpoint there is incomplete" (async), or only printed a thread's traceback
     assert "removing old checkpoints failed" in caplog.text and "Input/output error" in caplog.text

@@ -9,7 +9,8 @@ the same start. :func:`first_call_blocked` runs one such child;
 ``python -m shardkit.bench.async_first IMPL SIZE_BYTES DIR SETTLE_S [BALLAST_BYTES]`` is the child.
 
 The child builds the benchmark state (``workload.make_state``), makes its
-checkpointer (shardkit), waits ``SETTLE_S`` seconds (the kernel takes back memory freed while
+checkpointer (shardkit; the ``PREPARED`` row also calls
+``prepare(state, background=True)`` then, which returns at once), waits ``SETTLE_S`` seconds (the kernel takes back memory freed while
 building the state, as in a job that has run for a while), then times the
 one call, waits for the save to finish (untimed) and prints the seconds the
 call blocked as JSON. Not timed: the state, the imports, the write.
@@ -44,7 +45,7 @@ from shardkit.bench.peers import single_process_dcp
 from shardkit.bench.workload import make_state
 from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata
 
-__all__ = ["IMPLS", "DCP_ASYNC", "SETTLE_S", "first_call_blocked"]
+__all__ = ["IMPLS", "DCP_ASYNC", "PREPARED", "SETTLE_S", "first_call_blocked"]
 
 #: Seconds the child waits after building its state, before the timed call.
 SETTLE_S: float = 2.5
@@ -52,10 +53,14 @@ SETTLE_S: float = 2.5
 #: The peer's name among ``IMPLS``.
 DCP_ASYNC = "torch.distributed.checkpoint.async_save"
 
+#: The row whose checkpointer was given the state at start-up, to allocate its buffers in the background.
+PREPARED = "shardkit, prepare(background=True)"
+
 #: impl name -> what the child calls.
 IMPLS = {
     "shardkit": "AsyncCheckpointer(dir, 0, 1, ...).save_async(state)",
     "shardkit, knobs.STAGING_PREFAULT=False": "the same, the copies faulting the fresh buffers themselves",
+    PREPARED: "the same, after prepare(state, background=True) at construction (before the settle)",
     DCP_ASYNC: "dcp.async_save(state, storage_writer=FileSystemWriter(dir, sync_files=True))",
 }
 
@@ -77,9 +82,11 @@ def first_call_blocked(impl: str, size_bytes: int, dir: str, *, settle_s: float 
     return float(json.loads(done.stdout.strip().splitlines()[-1])["blocked_s"])
 
 
-def _shardkit_first(state, dir: str, settle_s: float, *, prefault: bool = True) -> float:
+def _shardkit_first(state, dir: str, settle_s: float, *, prefault: bool = True, prepare: bool = False) -> float:
     knobs.STAGING_PREFAULT = prefault
     ckpt = AsyncCheckpointer(dir, 0, 1, ShardMetadata(num_ranks=1, tensor_specs={}))
+    if prepare:
+        ckpt.prepare(state, background=True)  # returns at once; not timed, as the constructor is not
     time.sleep(settle_s)
     start = time.perf_counter()
     future = ckpt.save_async(state)
@@ -105,6 +112,7 @@ def _child(argv: list[str]) -> None:
     ballast = torch.ones(int(argv[4]) // 4 if len(argv) > 4 else 0)  # noqa: F841 - held until the child exits
     run = {"shardkit": _shardkit_first,
            "shardkit, knobs.STAGING_PREFAULT=False": lambda *a: _shardkit_first(*a, prefault=False),
+           PREPARED: lambda *a: _shardkit_first(*a, prepare=True),
            DCP_ASYNC: _dcp_first}[impl]
     print(json.dumps({"impl": impl, "blocked_s": run(state, dir, settle_s)}), flush=True)
 

@@ -179,6 +179,10 @@ def bench_async(state, workdir: str, reps: int, size_bytes: int | None = None) -
     ``save_async`` and ``dcp.async_save`` alternating, one child per run.
     Each row keeps every child's time (``runs_s``), and shardkit's rows the
     median of the per-round ratios to DCP's child (``paired_ratio_to_dcp``).
+    Three shardkit rows: the default; without its prefault helpers; and a
+    checkpointer that was given the state at construction with
+    ``prepare(state, background=True)`` (its buffers made on a thread during
+    the child's settle, as during a job's first training steps).
     ``size_bytes`` is the size the state was made for (the children rebuild
     it); None skips this case.
 

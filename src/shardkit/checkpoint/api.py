@@ -47,11 +47,12 @@ from shardkit.checkpoint.read_path import open_checkpoint
 from shardkit.checkpoint.rank_state import check_reserved, is_rank_state_name, rank_state_targets, warn_world_changed
 from shardkit.checkpoint.shutdown import join_at_exit
 from shardkit.checkpoint.staging import stage
+from shardkit.checkpoint.staging_reserve import StagingReserve
 from shardkit.errors import AsyncCheckpointError, TensorMismatchError
 from shardkit.storage import storage_for
 
 __all__ = ["save", "load", "async_save", "resolve_world", "start_background", "background_coordinator", "release_staging",
-           "stage_for_background"]
+           "reserve_staging", "stage_for_background"]
 
 
 def resolve_world(group):
@@ -173,6 +174,7 @@ _BACKGROUND_LOCK = threading.Lock()
 # were then reused wrote the next step's values under its own step.
 _LAST_SAVE: dict[int, CheckpointFuture] = {}       # id(background group) -> its latest save
 _STAGING: dict[int, dict] = {}                      # id(background group) -> staging buffers to reuse
+_RESERVES: dict[int, StagingReserve] = {}           # id(background group) -> buffers being made ahead
 
 
 def background_coordinator(group, coordinator, rank: int, world_size: int):
@@ -227,9 +229,14 @@ def stage_for_background(prep, background, dir) -> None:
     key = _key(background)
     with _BACKGROUND_LOCK:
         previous = _LAST_SAVE.get(key)
-        buffers = _STAGING.pop(key, {}) if previous is None or previous.done() else {}
+        idle = previous is None or previous.done()
+        buffers = _STAGING.pop(key, {}) if idle else {}
+        reserve = _RESERVES.pop(key, None) if idle else None
+    unfaulted: set[int] = set()
+    if reserve is not None:
+        buffers, unfaulted = reserve.take()
     try:
-        prep.to_write, used = stage(prep.to_write, buffers)
+        prep.to_write, used = stage(prep.to_write, buffers, unfaulted=unfaulted)
     except Exception as e:
         if background is not None:
             start_background(prep, dir, background, failed=e)._reported = True  # raised below, not at exit
@@ -237,6 +244,26 @@ def stage_for_background(prep, background, dir) -> None:
                                    f"{type(e).__name__}: {e}. Free host memory (or save less) and save again") from e
     with _BACKGROUND_LOCK:
         _STAGING[key] = used
+
+
+def reserve_staging(prep, background) -> None:
+    """Start making the staging buffers the next save on ``background`` copies ``prep``'s tensors into:
+    allocated and faulted in on a thread of their own (``checkpoint.staging_reserve``), so that save
+    blocks only for the copy. Raises :class:`AsyncCheckpointError` while a save on ``background`` is
+    in flight (its buffers are busy); replaces an earlier reserve."""
+    key = _key(background)
+    with _BACKGROUND_LOCK:
+        previous = _LAST_SAVE.get(key)
+        if previous is not None and not previous.done():
+            raise AsyncCheckpointError(f"a background save to {previous.dir} is still in flight; wait for it "
+                                       f"before preparing the next one's staging buffers")
+        buffers, earlier = _STAGING.pop(key, {}), _RESERVES.pop(key, None)
+    unfaulted: set[int] = set()
+    if earlier is not None:
+        buffers, unfaulted = earlier.take()
+    reserve = StagingReserve(prep.to_write, buffers, unfaulted)
+    with _BACKGROUND_LOCK:
+        _RESERVES[key] = reserve
 
 
 def start_background(prep, dir, background, *, before_write=None, after=None,
@@ -283,5 +310,8 @@ def release_staging(background) -> None:
     key = _key(background)
     with _BACKGROUND_LOCK:
         previous = _LAST_SAVE.get(key)
+        reserve = _RESERVES.pop(key, None)
         if previous is None or previous.done():
             _STAGING.pop(key, None)
+    if reserve is not None:
+        reserve.take()  # stops its thread; the buffers go with it

@@ -33,8 +33,9 @@ dtype and device kind are unchanged, so the second and later saves skip the
 allocation (for CUDA, the slow pinned allocation). That costs one CPU copy
 of the state for the checkpointer's lifetime; ``reuse_buffers=False`` or
 :meth:`AsyncCheckpointer.close` gives it back. The first save faults its new
-host buffers in on a helper job running ahead of the copy (see
-``checkpoint.staging``); ``prepare()`` moves even that out of the first save.
+host buffers in on helper jobs running ahead of the copy (see
+``checkpoint.staging``); ``prepare()`` moves even that out of the first
+save, and ``prepare(state, background=True)`` off the caller's thread.
 
 Groups. With ``group=None`` no collective is issued (the seed's behaviour;
 rank 0 of 1 in a single process). With a group, the background thread runs
@@ -84,6 +85,7 @@ from shardkit.checkpoint.distributed_save import check_may_overwrite, report_fai
 from shardkit.checkpoint.shutdown import destroy_at_exit, join_at_exit
 from shardkit.checkpoint.nested import flatten
 from shardkit.checkpoint.staging import stage
+from shardkit.checkpoint.staging_reserve import StagingReserve
 from shardkit.comm import Group
 from shardkit.comm.process_group_view import process_group_timeout
 from shardkit.errors import AsyncCheckpointError, AsyncCheckpointIOError, AsyncWaitTimeout, CheckpointIOError
@@ -212,6 +214,7 @@ class AsyncCheckpointer:
         self._in_flight: CheckpointFuture | None = None
         self._thread: threading.Thread | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._reserve: StagingReserve | None = None  # a background prepare()'s buffers, until a save takes them
         self._closed = False
 
     def save_async(self, state_dict, *, dir=None, overwrite: bool | None = None) -> CheckpointFuture:
@@ -260,18 +263,37 @@ class AsyncCheckpointer:
         handoff.put(staged)
         return future
 
-    def prepare(self, state_dict) -> None:
+    def prepare(self, state_dict, *, background: bool = False) -> None:
         """Allocate the staging buffers for a state shaped like ``state_dict`` now; write nothing.
 
         Optional: the first ``save_async`` otherwise pays for allocating (and,
-        for CUDA tensors, pinning) one host copy of the state while the caller
-        waits. Call it once at start-up, when a pause costs nothing. Raises
-        ``AsyncCheckpointError`` while a save is in flight (its buffers are busy).
+        for CUDA tensors, pinning) one host copy of the state, and for faulting
+        every page of it in, while the caller waits. ``background=False``
+        does it all before returning (call it at start-up, when a pause costs
+        nothing). ``background=True`` returns at once and does it on a thread
+        of its own (``checkpoint.staging_reserve``) while training goes on; the
+        next ``save_async`` takes over what is ready and faults in the rest
+        itself, so calling it too late costs nothing extra. It holds one host
+        copy of the state from now on, as a checkpointer does after its first
+        save. Raises ``AsyncCheckpointError`` while a save is in flight (its
+        buffers are busy) or once closed.
+
+        Example::
+
+            ckpt = AsyncCheckpointer(path, rank, world_size, spec)
+            ckpt.prepare(model.state_dict(), background=True)   # returns at once
+            for step in range(steps):
+                train_step()
+                if step % 1000 == 0:
+                    ckpt.save_async(model.state_dict(), dir=f"{path}/step-{step}")
         """
         with self._lock:  # held while staging: a concurrent save_async must not take the buffers
             self._check_idle(self.dir)
             try:
-                self._stage_checked(state_dict)
+                if background:
+                    self._reserve = StagingReserve(state_dict, *self._take_buffers())
+                else:
+                    self._stage_checked(state_dict)
             except BaseException as e:
                 raise AsyncCheckpointError(f"preparing the staging buffers failed: {type(e).__name__}: {e}") from e
 
@@ -295,6 +317,7 @@ class AsyncCheckpointer:
         if future is not None:
             future.wait_finished()  # first: nothing the save uses is freed while it runs
         self._closed = True
+        self._take_buffers()
         self._buffers = {}
         self._destroy_own_group()
         if future is not None and not future._reported:
@@ -339,8 +362,17 @@ class AsyncCheckpointer:
             self._in_flight = future
             return future
 
+    def _take_buffers(self) -> tuple[dict, set[int]]:
+        """The buffers for the next staging, and the ids of those not yet faulted in: a background
+        ``prepare``'s (stopped now), else the kept ones."""
+        reserve, self._reserve = self._reserve, None
+        if reserve is not None:
+            return reserve.take()
+        return (self._buffers if self.reuse_buffers else {}), set()
+
     def _stage_checked(self, state_dict):
-        staged, buffers = stage(state_dict, self._buffers if self.reuse_buffers else {})
+        buffers, unfaulted = self._take_buffers()
+        staged, buffers = stage(state_dict, buffers, unfaulted=unfaulted)
         # Refuse what the save would refuse (non-str keys, leaves that need pickle) here and
         # now, not in the background; cheap: a walk over the leaves.
         flatten(staged)

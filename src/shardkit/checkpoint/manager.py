@@ -34,6 +34,7 @@ Example::
 
     with CheckpointManager("/ckpt/run1", keep_last=2, best=("loss", "min")) as mgr:
         last = mgr.restore(state)                # state from get_state_dict; None on a fresh run
+        mgr.prepare(state)                       # optional: the first save's host memory, made in the background
         for step in range(0 if last is None else last + 1, steps):
             ...
             if step % 100 == 0:
@@ -47,41 +48,35 @@ one (``CheckpointError``): rotation orders steps by number.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import re
 import threading
 import time
 
 from shardkit.checkpoint.api import (
-    background_coordinator, load, release_staging, resolve_world, stage_for_background, start_background,
+    background_coordinator, load, release_staging, reserve_staging, resolve_world, stage_for_background,
+    start_background,
 )
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.group import broadcast_json
 from shardkit.checkpoint.manager_metrics import encode_metrics, parse_best
-from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
+from shardkit.checkpoint.manager_rotation import STEP_DIR, owned_name, remove_step_dir, step_dir_name, steps_to_remove
+from shardkit.checkpoint.manifest import file_records, read_manifest
 from shardkit.errors import (
     AsyncWaitTimeout, CheckpointError, CheckpointExistsError, IncompleteCheckpointError, MetadataError,
 )
-from shardkit.storage import Storage, is_temp_name, storage_for
+from shardkit.storage import storage_for
 from shardkit.storage.json_io import NON_FINITE
 
 __all__ = ["CheckpointManager", "step_dir_name"]
 
-# ASCII digits, no leading zero, nothing after: one name per step (``step_dir_name``).
-_STEP_DIR = re.compile(r"step-(0|[1-9][0-9]{0,17})")
 _KEY = "shardkit.manager"
 #: What the completeness check raises for a step that is not there or not complete (a missing
 #: directory or file is a ``FileNotFoundError``: ``MissingShardError`` is one). Anything else (a
 #: server's 500, a dropped connection, EACCES) says nothing about the step and is raised.
 _NOT_COMPLETE = (IncompleteCheckpointError, MetadataError, FileNotFoundError)
 log = logging.getLogger(__name__)
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step}"
 
 
 class CheckpointManager:
@@ -140,8 +135,7 @@ class CheckpointManager:
         delete old steps is logged, not raised: the step is committed, and the
         next rotation tries again.
         """
-        if self._closed:
-            raise CheckpointError("this CheckpointManager is closed; create a new one to save again")
+        self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**18:
             raise MetadataError(f"step must be an integer from 0 to 10**18 - 1, got {step!r}")
         metadata = {_KEY: {"step": step, "metrics": encode_metrics(metrics)}}
@@ -190,6 +184,26 @@ class CheckpointManager:
             return None
         load(state_dict, self.step_dir(chosen), group=self.group, rank_state=rank_state)
         return chosen
+
+    def prepare(self, state_dict, *, rank_state=None) -> None:
+        """Start making the host memory the first background save copies into; return at once.
+
+        Optional, for ``async_save=True`` (else it does nothing): the first
+        :meth:`save` otherwise allocates one host copy of this rank's part of
+        the state and faults every page of it in while training waits. This
+        plans the save of ``state_dict`` (one small exchange over ``group``:
+        every rank calls it at the same point, as for :meth:`restore`) and
+        allocates and faults in the buffers on a thread of its own while
+        training goes on; the first save uses what is ready and does the rest.
+        The memory is held from now on, as it is after a first save.
+        """
+        self._check_open()
+        if not self.async_save:
+            return
+        self.wait()
+        prep = prepare(state_dict, self._coordinator, self.rank, self.world_size, None, rank_state)
+        self._background = background_coordinator(self.group, self._coordinator, self.rank, self.world_size)
+        reserve_staging(prep, self._background)
 
     def _restore_choice(self, step: int | None) -> list:
         """``[step to restore or None, why it cannot be restored or None]``; rank 0's choice."""
@@ -255,13 +269,17 @@ class CheckpointManager:
 
     # --- internals -------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed; create a new one to save again")
+
     def _all_steps(self) -> list[int]:
         # Temporary names (``storage.temp_name``: ``.step-3.<hex>.tmp``) never match.
         try:
             names = self._storage.listdir(self.root)
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for m in map(_STEP_DIR.fullmatch, names) if m)
+        return sorted(int(m.group(1)) for m in map(STEP_DIR.fullmatch, names) if m)
 
     def _complete(self, step: int) -> bool:
         """Whether ``step`` is committed with every data file at its recorded size.
@@ -345,28 +363,20 @@ class CheckpointManager:
     def _clear_leftover(self, step: int) -> None:
         # A crashed or older save of the same step; runs under this save's writer lock,
         # so the lock file stays (removing it would let a second writer in).
-        _remove_step_dir(self._storage, self.step_dir(step), keep_locks=True)
+        remove_step_dir(self._storage, self.step_dir(step), keep_locks=True)
 
     def _rotate(self) -> None:
         writing = self._writing
         complete = self.steps()
-        if not complete:
-            return
-        keep = set(complete[-self.keep_last:]) | {complete[-1]}
         best = self._best_step(complete)
-        if best is not None:
-            keep.add(best)
-        for step in self._all_steps():
-            if step in keep or step == writing:
-                continue
-            if step in complete or step < complete[-1]:   # old, or a crashed save older than the newest
-                _remove_step_dir(self._storage, self.step_dir(step))
-        if writing is None:
+        for step in steps_to_remove(self._all_steps(), complete, keep_last=self.keep_last, best=best, writing=writing):
+            remove_step_dir(self._storage, self.step_dir(step))
+        if complete and writing is None:
             # What killed saves left that no step lists: temporaries beside the steps, and on object
             # stores incomplete uploads (a step whose only object was one is not even a prefix).
             # Nothing of this manager's is being written now: a save waits for the rotation.
             # Only uploads under this manager's own names: root may be a bucket other jobs write to.
-            self._storage.remove_orphans(self.root, uploads_of=_owned_name)
+            self._storage.remove_orphans(self.root, uploads_of=owned_name)
 
     def _best_step(self, complete: list[int]) -> int | None:
         if self.best is None:
@@ -383,25 +393,5 @@ class CheckpointManager:
         return min(scored)[2] if scored else None
 
 
-def _owned_name(name: str) -> bool:
-    """Whether an entry directly under the root is this manager's: a step directory, or a temporary name."""
-    return bool(_STEP_DIR.fullmatch(name)) or is_temp_name(name)
-
-
 def _left_s(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def _remove_step_dir(storage: Storage, path: str, *, keep_locks: bool = False) -> None:
-    """Delete a step's every file (object: data, temporaries, incomplete uploads), ``metadata.json`` first.
-
-    Withdrawing the commit first makes a deletion cut short read as
-    incomplete, never as a checkpoint with missing data. ``keep_locks``: the
-    caller holds the step's writer lock, which must stay.
-    """
-    with contextlib.suppress(FileNotFoundError):
-        storage.remove(storage.join(path, METADATA_FILE))
-    if keep_locks:
-        storage.clear_directory(path)
-    else:
-        storage.remove_tree(path)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 import torch
 
@@ -32,10 +32,10 @@ from shardkit.storage import run_parallel
 from shardkit.storage.memcopy import copy_bytes
 from shardkit.storage.prefault import populate_for_write
 
-__all__ = ["stage", "copy_host"]
+__all__ = ["stage", "copy_host", "buffer_for", "map_leaves"]
 
 
-def stage(state, buffers: dict[tuple, torch.Tensor]):
+def stage(state, buffers: dict[tuple, torch.Tensor], *, unfaulted: Collection[int] = ()):
     """Copy every tensor leaf of ``state`` into a CPU buffer; return (staged state, buffers used).
 
     Containers are rebuilt (so later changes to the caller's dicts do not
@@ -43,7 +43,9 @@ def stage(state, buffers: dict[tuple, torch.Tensor]):
     ``buffers`` are reused when shape, dtype and pinning match. Device
     tensors are copied non-blocking, then each device is synchronized once;
     host tensors are copied by :func:`copy_host` in one batch, which faults
-    the new host buffers in ahead of the copy.
+    the new host buffers in ahead of the copy, and those of ``buffers``
+    whose ``id`` is in ``unfaulted`` (allocated but maybe not yet faulted in:
+    a ``StagingReserve`` stopped early).
     """
     used: dict[tuple, torch.Tensor] = {}
     devices: set[torch.device] = set()
@@ -52,14 +54,10 @@ def stage(state, buffers: dict[tuple, torch.Tensor]):
 
     def copy_leaf(path: tuple, t: torch.Tensor) -> torch.Tensor:
         src = t.detach()
-        pin = src.device.type == "cuda"
-        buf = buffers.get(path)
-        new = buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.is_pinned() != pin
-        if new:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+        buf, new = buffer_for(buffers.get(path), src.shape, src.dtype, pinned=src.device.type == "cuda")
         if src.device.type == "cpu":
             host_pairs.append((buf, src))
-            if new:
+            if new or id(buf) in unfaulted:
                 fresh.append(buf)
         else:  # non-blocking into pinned memory, synchronized below; other devices copy before returning
             buf.copy_(src, non_blocking=pin)
@@ -67,12 +65,20 @@ def stage(state, buffers: dict[tuple, torch.Tensor]):
         used[path] = buf
         return buf
 
-    staged = _map_leaves(state, (), copy_leaf)
+    staged = map_leaves(state, (), copy_leaf)
     copy_host(host_pairs, fresh=fresh)
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return staged, used
+
+
+def buffer_for(old: torch.Tensor | None, shape, dtype: torch.dtype, *, pinned: bool) -> tuple[torch.Tensor, bool]:
+    """``old`` when it can hold a tensor of ``shape`` and ``dtype`` (pinned or not), else a new empty
+    CPU buffer; and whether it is new."""
+    if old is not None and old.shape == shape and old.dtype == dtype and old.is_pinned() == pinned:
+        return old, False
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned), True
 
 
 def _copy_all(moves: list[tuple[int, int, int, bool]]) -> None:
@@ -175,12 +181,12 @@ def copy_host(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, fresh: Iterable
                  + [lambda job=job, event=event: _copy_when_ready(job, event) for job, event in zip(jobs, ready)])
 
 
-def _map_leaves(node: Any, path: tuple, fn: Callable[[tuple, torch.Tensor], torch.Tensor]) -> Any:
+def map_leaves(node: Any, path: tuple, fn: Callable[[tuple, torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(node, torch.Tensor):
         return fn(path, node)
     if isinstance(node, Mapping):
-        return {k: _map_leaves(v, path + (k,), fn) for k, v in node.items()}
+        return {k: map_leaves(v, path + (k,), fn) for k, v in node.items()}
     if isinstance(node, (list, tuple)):
-        items = [_map_leaves(v, path + (i,), fn) for i, v in enumerate(node)]
+        items = [map_leaves(v, path + (i,), fn) for i, v in enumerate(node)]
         return items if isinstance(node, list) else tuple(items)
     return node
