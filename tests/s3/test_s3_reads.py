@@ -29,3 +29,29 @@ def test_s3_gather_reads_stream_the_right_bytes_into_every_buffer(s3_url, monkey
         assert bytes(out) == DATA[-5000:]
         with pytest.raises(EOFError, match="truncated"):
             reader.read_into_views(len(DATA) - 100, [memoryview(bytearray(64)), memoryview(bytearray(64))])
+
+
+def test_a_response_that_is_not_the_range_asked_for_is_refused_never_used(s3_url, monkeypatch):
+    from shardkit.errors import CheckpointIOError
+
+    store, path = storage_for(s3_url + "/blob")
+    with store.atomic_writer(path) as f:
+        f.write(DATA)
+    reader = store.open_reader(path)
+    real = store.fs._call_s3
+
+    async def ignores_ranges(method, *args, **kwargs):  # a proxy that drops the Range header
+        kwargs.pop("Range", None)
+        return await real(method, *args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "_call_s3", ignores_ranges)
+    out = memoryview(bytearray(1000))
+    with pytest.raises(CheckpointIOError, match="asked the object store for bytes 5000-5999.*whole object") as e:
+        reader.read_into(5000, out)
+    assert e.value.errno == 5 and bytes(out) == bytes(1000)
+    monkeypatch.setattr(store.fs, "_call_s3", real)
+    with store.atomic_writer(path) as f:  # replaced by another writer since the reader opened it
+        f.write(DATA[:-10])
+    with pytest.raises(CheckpointIOError, match="changed since it was opened"):
+        reader.read_into(5000, out)
+    reader.close()

@@ -42,3 +42,20 @@ def test_read_into_views_fills_each_buffer_in_order(reader, offset, sizes, part_
 def test_a_gather_read_past_the_end_is_refused(reader):
     with pytest.raises(EOFError, match="truncated"):
         reader.read_into_views(len(DATA) - 10, [memoryview(bytearray(8)), memoryview(bytearray(8))])
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_a_store_that_ignores_the_range_is_refused_not_read_from_the_start(monkeypatch, parts):
+    from shardkit.errors import CheckpointIOError
+
+    store, path = storage_for(f"memory://shardkit-reads-{uuid.uuid4().hex}/blob")
+    with store.atomic_writer(path) as f:
+        f.write(DATA)
+    whole = store.fs.cat_file(path)
+    monkeypatch.setattr(store.fs, "cat_file", lambda *a, **k: whole)        # a server that sends it all
+    monkeypatch.setattr(store.fs, "cat_ranges", lambda paths, *a, **k: [whole] * len(paths))
+    monkeypatch.setattr(knobs, "OBJECT_PART_BYTES", 400 // parts + 1)
+    out = memoryview(bytearray(400))
+    with store.open_reader(path) as r, pytest.raises(CheckpointIOError, match="bytes 1000-") as e:
+        r.read_into(1000, out)
+    assert "does not honour HTTP range requests" in str(e.value) and e.value.errno == 5

@@ -17,9 +17,11 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import errno
 import threading
 
 from shardkit import knobs
+from shardkit.errors import CheckpointIOError
 from shardkit.storage.base import Reader
 from shardkit.storage.store_errors import store_errors
 
@@ -101,10 +103,12 @@ class _RangeReader(Reader):
         else:
             pieces = self._fs.cat_ranges([self._key] * len(parts), [p[0] for p in parts], ends, on_error="raise")
         got = 0
-        for (_, views), piece in zip(parts, pieces):
+        for (start, views), piece, stop in zip(parts, pieces, ends):
             if isinstance(piece, BaseException):
                 raise piece
             piece = memoryview(piece).cast("B")
+            if len(piece) > stop - start:  # the store sent more than the range: it ignored the range
+                raise self._range_refused(start, stop, f"{len(piece)} bytes")
             position = 0
             for view in views:
                 n = min(len(view), len(piece) - position)
@@ -114,6 +118,16 @@ class _RangeReader(Reader):
             if position != sum(len(v) for v in views):
                 break
         return got
+
+
+    def _range_refused(self, start: int, stop: int, answered: str) -> CheckpointIOError:
+        """The error for a response that is not the byte range asked for: its bytes are never used."""
+        return CheckpointIOError(
+            f"{self.name}: asked the object store for bytes {start}-{stop - 1} of {self.size_bytes}, it answered "
+            f"{answered}. Either the object changed since it was opened (another writer replaced it: load "
+            f"again once that save is done), or the server or a proxy in between does not honour HTTP range "
+            f"requests, which loading a checkpoint in parts needs (S3, MinIO and SeaweedFS do). Nothing was "
+            f"loaded from that response.", errno.EIO, "byte range not honoured", self.name)
 
 
 class _S3RangeReader(_RangeReader):
@@ -153,6 +167,10 @@ class _S3RangeReader(_RangeReader):
         resp = await self._fs._call_s3("get_object", Bucket=self._bucket, Key=self._object_key,
                                        Range=f"bytes={start}-{stop - 1}")
         body, got = resp["Body"], 0
+        answered = resp.get("ContentRange")
+        if answered != f"bytes {start}-{stop - 1}/{self.size_bytes}":
+            body.close()
+            raise self._range_refused(start, stop, repr(answered) if answered else "the whole object (no Content-Range)")
         try:
             for view in views:
                 filled = 0
