@@ -16,7 +16,6 @@ Run: ``python -m benchmarks.dtensor_bench --mib 1024 --workdir /fast/disk``.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 import time

@@ -9,7 +9,6 @@ case runs in a forked child with a hang guard and a peak-memory measurement.
 
 import json
 import os
-import struct
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from hostile_helpers import (
     write_safetensors_raw,
 )
 from shardkit.checkpoint import load_consolidated, load_distributed, reshard, validate_distributed
-from shardkit.errors import MetadataError, MissingShardError, TensorMismatchError
+from shardkit.errors import MetadataError, MissingShardError
 from shardkit.storage.json_io import json_depth
 
 MiB = 1 << 20

@@ -262,3 +262,97 @@ def test_manager_prepare_on_two_ranks_then_restore_on_one(tmp_path):
     state = {"w": torch.empty(4000), "v": torch.empty(300)}
     assert CheckpointManager(tmp_path / "run").restore(state) == 5
     assert torch.equal(state["w"], torch.arange(4000.0)) and torch.equal(state["v"], torch.full((300,), 2.0))
+
+
+# --- what a review found (each failed on the first version) ---------------------------------
+
+def test_a_late_reserve_hands_back_the_warm_buffers_it_had_not_reached(fake_write, small_chunks, monkeypatch,
+                                                                      tmp_path):
+    ckpt = AsyncCheckpointer(tmp_path / "ck", 0, 1, SPEC)
+    state = {"grown": torch.ones(1000), "warm": torch.ones(5000)}
+    ckpt.save_async(state).wait()
+    warm = ckpt._buffers[("warm",)]
+    gated = GatedPopulate(monkeypatch)
+    state["grown"] = torch.ones(100_000)  # reached first: a new buffer, its faulting held at the gate
+    ckpt.prepare(state, background=True)
+    assert gated.entered.wait(30)
+    threading.Timer(0.1, gated.gate.set).start()
+    ckpt.save_async(state).wait()  # stops the reserve before it reached "warm"
+    assert fake_write[-1]["warm"].data_ptr() == warm.data_ptr()
+    ckpt.close()
+
+
+def test_a_background_prepare_holds_one_copy_not_two(fake_write, tmp_path):
+    import gc
+    import weakref
+
+    ckpt = AsyncCheckpointer(tmp_path / "ck", 0, 1, SPEC)
+    ckpt.save_async({"w": torch.ones(4096)}).wait()
+    old = weakref.ref(ckpt._buffers[("w",)])
+    ckpt.prepare({"w": torch.ones(8192)}, background=True)  # another shape: the old buffer is not reused
+    assert ckpt._reserve._done.wait(30)
+    fake_write.clear()  # the fake writer's record of the first save
+    gc.collect()
+    assert old() is None and ckpt._buffers == {}
+    ckpt.close()
+
+
+def test_close_interrupted_while_stopping_the_reserve_still_frees_the_buffers(fake_write, monkeypatch, tmp_path):
+    ckpt = AsyncCheckpointer(tmp_path / "ck", 0, 1, SPEC)
+    ckpt.save_async({"v": torch.ones(4096)}).wait()  # buffers kept
+    ckpt.prepare({"w": torch.ones(4096)}, background=True)
+    reserve = ckpt._reserve
+    real_take = reserve.take
+
+    def interrupted():
+        real_take()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reserve, "take", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.close()
+    assert ckpt._closed and ckpt._reserve is None and ckpt._buffers == {}
+
+
+def test_close_on_another_thread_waits_for_a_prepare_in_progress_and_stops_its_reserve(tmp_path):
+    entered, gate = threading.Event(), threading.Event()
+
+    class SlowState(dict):  # its walk blocks, as a large state's would take long
+        def items(self):
+            entered.set()
+            assert gate.wait(30)
+            return super().items()
+
+    ckpt = AsyncCheckpointer(tmp_path / "ck", 0, 1, SPEC)
+    preparing = threading.Thread(target=ckpt.prepare, args=(SlowState(w=torch.ones(4096)),),
+                                 kwargs={"background": True})
+    preparing.start()
+    assert entered.wait(30)
+    closing = threading.Thread(target=ckpt.close)
+    closing.start()
+    closing.join(0.2)
+    assert closing.is_alive(), "close() must wait for prepare(), which holds the checkpointer"
+    gate.set()
+    preparing.join(30)
+    closing.join(30)
+    assert ckpt._closed and ckpt._reserve is None and ckpt._buffers == {}
+
+
+def test_manager_prepare_that_cannot_start_its_thread_is_typed_and_keeps_the_buffers(tmp_path, monkeypatch):
+    api = importlib.import_module("shardkit.checkpoint.api")
+    from shardkit.checkpoint import CheckpointManager
+
+    state = {"w": torch.ones(4096)}
+    with CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        key = api._key(mgr._background)
+        kept = api._STAGING[key]
+
+        def no_thread(*args, **kwargs):
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(api, "StagingReserve", no_thread)
+        with pytest.raises(AsyncCheckpointError, match="can't start new thread"):
+            mgr.prepare(state)
+        assert api._STAGING[key] is kept

@@ -42,7 +42,7 @@ def _flip_last_byte(directory):
 
 def test_same_world_size_load_maps_every_tensor_and_is_correct(tmp_path, monkeypatch):
     full = _state()
-    meta = save_full(full, tmp_path, 2, {"w": 0, "v": 1})
+    save_full(full, tmp_path, 2, {"w": 0, "v": 1})
     calls = _count_maps(monkeypatch)
     for rank in range(2):
         got = load_distributed(str(tmp_path), rank, 2)

@@ -10,7 +10,6 @@ outside a DTensor's mesh could not load.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import shardkit.checkpoint as ckpt
 from placement_jobs import FULL, interleaved_strided, outside_the_mesh, unknown_placement

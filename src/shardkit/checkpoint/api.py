@@ -34,7 +34,6 @@ import os
 import threading
 import weakref
 
-import torch
 import torch.distributed as dist
 
 from shardkit.checkpoint.async_save import CheckpointFuture, _dedicated_gloo_group
@@ -261,7 +260,13 @@ def reserve_staging(prep, background) -> None:
     unfaulted: set[int] = set()
     if earlier is not None:
         buffers, unfaulted = earlier.take()
-    reserve = StagingReserve(prep.to_write, buffers, unfaulted)
+    try:
+        reserve = StagingReserve(prep.to_write, buffers, unfaulted)
+    except Exception as e:  # e.g. "can't start new thread": the kept buffers stay for the next save
+        with _BACKGROUND_LOCK:
+            _STAGING[key] = buffers
+        raise AsyncCheckpointError(f"could not start making the staging buffers in the background: "
+                                   f"{type(e).__name__}: {e}. The next save makes them itself") from e
     with _BACKGROUND_LOCK:
         _RESERVES[key] = reserve
 

@@ -291,7 +291,12 @@ class AsyncCheckpointer:
             self._check_idle(self.dir)
             try:
                 if background:
-                    self._reserve = StagingReserve(state_dict, *self._take_buffers())
+                    buffers, unfaulted = self._take_buffers()
+                    try:
+                        self._reserve = StagingReserve(state_dict, buffers, unfaulted)
+                    except BaseException:
+                        self._buffers = buffers  # kept for the next save, which makes the rest itself
+                        raise
                 else:
                     self._stage_checked(state_dict)
             except BaseException as e:
@@ -316,9 +321,11 @@ class AsyncCheckpointer:
         future = self._in_flight
         if future is not None:
             future.wait_finished()  # first: nothing the save uses is freed while it runs
-        self._closed = True
-        self._take_buffers()
-        self._buffers = {}
+        with self._lock:  # after a prepare() on another thread, never beside it
+            self._closed = True
+            reserve, self._reserve, self._buffers = self._reserve, None, {}
+        if reserve is not None:
+            reserve.take()  # stops its thread; its buffers go with it
         self._destroy_own_group()
         if future is not None and not future._reported:
             future.wait()
@@ -366,9 +373,10 @@ class AsyncCheckpointer:
         """The buffers for the next staging, and the ids of those not yet faulted in: a background
         ``prepare``'s (stopped now), else the kept ones."""
         reserve, self._reserve = self._reserve, None
+        kept, self._buffers = self._buffers, {}  # never two copies held: the caller keeps what it uses
         if reserve is not None:
             return reserve.take()
-        return (self._buffers if self.reuse_buffers else {}), set()
+        return (kept if self.reuse_buffers else {}), set()
 
     def _stage_checked(self, state_dict):
         buffers, unfaulted = self._take_buffers()

@@ -54,7 +54,8 @@ def stage(state, buffers: dict[tuple, torch.Tensor], *, unfaulted: Collection[in
 
     def copy_leaf(path: tuple, t: torch.Tensor) -> torch.Tensor:
         src = t.detach()
-        buf, new = buffer_for(buffers.get(path), src.shape, src.dtype, pinned=src.device.type == "cuda")
+        pin = src.device.type == "cuda"
+        buf, new = buffer_for(buffers.get(path), src.shape, src.dtype, pinned=pin)
         if src.device.type == "cpu":
             host_pairs.append((buf, src))
             if new or id(buf) in unfaulted:

@@ -8,8 +8,9 @@ slowly that is most of what the caller waits for (``checkpoint.staging``).
 of a state, exactly as ``staging.stage`` would, and faults each one in with
 ``storage.prefault.populate_for_write``, a chunk at a time, on a daemon
 thread. The save then takes the buffers over with :meth:`StagingReserve.take`,
-which stops the thread after its current chunk (a few milliseconds), and
-faults in only what the thread had not reached yet.
+which stops the thread after its current chunk (a few milliseconds for host
+memory; a CUDA tensor's pinned buffer is allocated in one call, which can
+take longer), and faults in only what the thread had not reached yet.
 
 What it does not do: it copies no value (the save does), it takes no lock on
 the state (it reads only each leaf's shape, dtype and device, on the
@@ -73,9 +74,11 @@ class StagingReserve:
 
         ``buffers`` maps a leaf's path to its buffer (leaves the thread had
         not reached are missing: the save allocates them); ``unfaulted``
-        holds the ``id`` of each buffer not yet wholly faulted in. Waits on
-        an event, never a thread join, so a Ctrl-C here leaves the reserve
-        as it was. Call it once.
+        holds the ``id`` of each buffer not yet wholly faulted in. Kept
+        buffers (``buffers`` given to the constructor) of leaves it had not
+        reached are handed back as they were. Waits on an event, never a
+        thread join; interrupted (Ctrl-C), the thread still stops after its
+        chunk. Call it once.
         """
         self._stop.set()
         self._done.wait()
@@ -98,8 +101,18 @@ class StagingReserve:
         except Exception as e:  # noqa: BLE001 - the save allocates what is missing and reports its own error
             log.debug("staging reserve stopped early: %s: %s", type(e).__name__, e)
         finally:
-            self._old = {}
+            self._hand_back_unreached()
             self._done.set()
+
+    def _hand_back_unreached(self) -> None:
+        """Stopped early: the kept buffers of the leaves not reached yet go to the save as they are
+        (it checks that they fit), so a late reserve never costs the save a buffer it already had."""
+        for path, buf in self._old.items():
+            if path not in self._buffers:
+                self._buffers[path] = buf
+                if id(buf) in self._old_unfaulted:
+                    self._unfaulted.add(id(buf))
+        self._old, self._old_unfaulted = {}, set()
 
     def _fault_in(self, buf: torch.Tensor) -> None:
         """Fault in the whole pages of ``buf``, a chunk at a time (the bytes before its first and after

@@ -20,7 +20,7 @@ import xxhash
 from shardkit.checkpoint.plan import saved_chunks
 from shardkit.checkpoint.read_path import check_box, open_checkpoint
 from shardkit.dtypes import from_safetensors_name
-from shardkit.errors import CheckpointError, MetadataError
+from shardkit.errors import MetadataError
 from shardkit.sources.base import CheckpointSource, TensorInfo
 from shardkit.storage import storage_for
 
