@@ -72,3 +72,11 @@ def test_file_url_forms_name_the_local_path(tmp_path, form):
 def test_file_urls_that_name_no_local_path_are_refused(url, says):
     with pytest.raises(MetadataError, match=re.escape(says)):
         storage_for(url)
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///ck", "S3://", "gs://"])
+def test_object_store_urls_that_name_no_bucket_are_refused_before_any_request(url):
+    with pytest.raises(MetadataError, match=re.escape(f"{url!r} names no bucket")):
+        storage_for(url)
+    with pytest.raises(MetadataError, match="names no bucket"):
+        load_distributed(url, 0, 1)

@@ -37,8 +37,21 @@ def storage_for(path: str | os.PathLike) -> tuple[Storage, str]:
     if path[:5].lower() == "file:":
         return LocalStorage(), file_url_path(path)
     if "://" in path:
+        _check_bucket(path)
         return FsspecStorage(path), path
     return LocalStorage(), path
+
+
+#: Object stores whose URLs start with a bucket (or container): ``s3://bucket/key``.
+_BUCKET_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+
+
+def _check_bucket(url: str) -> None:
+    """Refuse an object-store URL that names no bucket (``s3://``, ``s3:///key``), before any request."""
+    scheme, rest = url.split("://", 1)
+    if scheme.lower() in _BUCKET_SCHEMES and not rest.split("/", 1)[0]:
+        raise MetadataError(f"{url!r} names no bucket: write {scheme}://<bucket>/<path>, e.g. "
+                            f"{scheme}://my-bucket/checkpoints/run1")
 
 
 def file_url_path(url: str) -> str:
