@@ -53,25 +53,3 @@ def test_benchmark_harness_smoke(tmp_path):
     impls = {(r["case"], r["impl"]) for r in rows}
     assert ("save, 1 rank, fsync'd", "shardkit") in impls
     assert all(r["median_s"] > 0 for r in rows)
-
-
-def _torchrun(nproc, *args, cwd):
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    done = subprocess.run([torchrun, "--nproc-per-node", str(nproc), os.path.join(ROOT, "examples", "train.py"), *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [line for line in done.stdout.splitlines() if line.startswith("step ")]
-
-
-def _losses(lines):
-    return {int(line.split()[1]): line.split()[3] for line in lines}
-
-
-def test_train_example_resumes_on_one_process_with_the_uninterrupted_losses(tmp_path):
-    first = _losses(_torchrun(2, "run", cwd=tmp_path))
-    resumed = _losses(_torchrun(1, "run", "10", cwd=tmp_path))
-    reference = _losses(_torchrun(1, "fresh", "10", cwd=tmp_path))
-    assert sorted(first) == list(range(6)) and sorted(resumed) == list(range(6, 10))
-    assert {**first, **resumed} == reference          # the same printed losses, step by step
-    assert sorted(os.listdir(tmp_path / "run")) == ["step-10", "step-8"]    # keep_last=2

@@ -8,7 +8,9 @@ that command names and run with exactly that command; any other block runs
 with ``python``. The ``shardkit ...`` and ``torchrun ...`` lines of ``sh``
 blocks run afterwards in the same directory (which sees the repository's
 ``examples/``), except ``shardkit demo`` and ``shardkit bench`` (tested on
-their own) and ``make`` (which is what CI runs). Last, the output the README
+their own) and ``make`` (which is what CI runs); the two ``examples/train.py``
+runs are then checked against an uninterrupted run, as the README says they
+match. Last, the output the README
 shows (``text`` blocks of ``$ shardkit ...`` lines, each followed by what it
 prints) is produced again from a copy of ``ckpt/`` and compared line by
 line, timings aside.
@@ -64,11 +66,29 @@ def _timings_aside(lines: list[str]) -> list[str]:
     return [re.sub(r"\b\d+\.\d+ s\b", "<t> s", line.rstrip()) for line in lines]
 
 
-def _run(argv: list[str], cwd, what: str) -> None:
+def _run(argv: list[str], cwd, what: str) -> str:
+    """Run ``argv`` in ``cwd``; fail the test unless it exits 0; return what it printed."""
     env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"{what} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def _losses(printed: str) -> dict[int, str]:
+    """``{step: loss as printed}`` from ``examples/train.py``'s ``step N loss X (...)`` lines."""
+    return {int(line.split()[1]): line.split()[3] for line in printed.splitlines() if line.startswith("step ")}
+
+
+def _check_train_resume(printed: list[str], cwd) -> None:
+    """The README's claim about ``examples/train.py``: the run cut at step 6 and resumed on another
+    number of processes prints the losses an uninterrupted run prints, digit for digit."""
+    first, resumed = (_losses(p) for p in printed)
+    reference = _losses(_run([os.path.join(BIN, "torchrun"), "--nproc-per-node", "1", "examples/train.py",
+                              "uninterrupted", "10"], cwd, "the uninterrupted train.py run"))
+    assert sorted(first) == list(range(6)) and sorted(resumed) == list(range(6, 10))
+    assert {**first, **resumed} == reference
+    assert sorted(os.listdir(os.path.join(cwd, "ckpt-run"))) == ["step-10", "step-8"]    # keep_last=2
 
 
 def test_readme_has_blocks():
@@ -86,6 +106,7 @@ def test_every_readme_block_runs_as_written(tmp_path):
         (tmp_path / script).write_text(code, encoding="utf-8")
         _run(argv, tmp_path, f"README python block {index} ({' '.join(argv[-2:])})")
     (tmp_path / "examples").symlink_to(os.path.join(ROOT, "examples"))
+    train_printed = []
     for index, (lang, code) in enumerate(blocks):
         if lang != "sh":
             continue
@@ -93,7 +114,10 @@ def test_every_readme_block_runs_as_written(tmp_path):
             command = line.split("#", 1)[0].strip()
             if command.startswith(("shardkit ", "torchrun ")) and not command.startswith(_SKIPPED_COMMANDS):
                 argv = shlex.split(command)
-                _run([os.path.join(BIN, argv[0]), *argv[1:]], tmp_path, f"README sh block {index}: {command}")
+                printed = _run([os.path.join(BIN, argv[0]), *argv[1:]], tmp_path, f"README sh block {index}: {command}")
+                if "examples/train.py" in argv:
+                    train_printed.append(printed)
+    _check_train_resume(train_printed, tmp_path)
     shown_dir = tmp_path / "shown"
     shutil.copytree(tmp_path / "ckpt", shown_dir / "ckpt")
     for lang, code in blocks:
