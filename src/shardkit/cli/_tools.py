@@ -51,18 +51,23 @@ def progress_bar(args, total_bytes: int, desc: str):
 
 
 def guarded(command: str, run, *, damaged_exit: int | None = None):
-    """``run(args)`` with errors answered by one line on stderr and an exit code: 1 for a damaged or
-    incomplete checkpoint (``damaged_exit`` instead, when given: ``diff`` says 2, its 1 meaning
-    "they differ"), 2 for bad input (a missing file, a taken destination, a refused value)."""
+    """``run(args)`` with shardkit's errors answered by one line on stderr and an exit code: 1 for a
+    damaged or incomplete checkpoint (``damaged_exit`` instead, when given: ``diff`` says 2, its 1
+    meaning "they differ"), 2 for bad input (a missing file, a taken destination, a refused value).
+
+    Only typed errors (``ShardkitError``, ``OSError``) are answered here; bad input the CLI finds
+    itself is ``cli.target.InputError`` (2). Anything else, a bare ``ValueError`` or ``TypeError``
+    included, is a bug and goes on to ``cli.main``: exit 3, "internal error", as in inspect and validate.
+    """
 
     def wrapper(args) -> int:
         setup_logging(args)
         try:
             return int(run(args) or 0)
-        except (ShardkitError, OSError, ValueError, TypeError) as e:
+        except (ShardkitError, OSError) as e:
             message = str(e).splitlines()[0] if str(e) else type(e).__name__
             print(f"shardkit {command}: error: {message}", file=sys.stderr)
-            code = exit_code_for(e) if isinstance(e, (ShardkitError, OSError)) else EXIT_USAGE
+            code = exit_code_for(e)
             return code if damaged_exit is None or code == EXIT_USAGE else damaged_exit
 
     return wrapper

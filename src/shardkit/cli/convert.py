@@ -12,7 +12,8 @@ stripped, optionally cast with
 (``--config``, or one found in SRC). ``--to distributed`` writes a one-rank
 checkpoint with every tensor replicated (loads on any world size).
 Tensor by tensor; DST appears complete or not at all.
-Exit codes: 0 done, 1 SRC is incomplete or corrupt, 2 bad input (a missing SRC, DST exists, a bad option).
+Exit codes: 0 done, 1 SRC is incomplete or corrupt, 2 bad input (a missing SRC, DST exists, a bad option,
+a --from naming a format SRC does not hold).
 
 Example: shardkit convert dcp_ckpt hf_out --to hf --prefix model. --dtype bf16
 """
@@ -23,7 +24,8 @@ import argparse
 
 from shardkit.cli._tools import add_common, guarded, progress_bar
 from shardkit.cli.json_out import json_text
-from shardkit.cli.target import checkpoint_kind
+from shardkit.cli.target import (_DCP_NAME, _DISTRIBUTED_NAME, _HF_NAMES, DCP, DISTRIBUTED, HF, InputError,
+                                 checkpoint_kind)
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32",
           "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -55,23 +57,25 @@ def run(args) -> int:
 
     import torch
 
-    from shardkit.hf.index import shard_size_bytes
     from shardkit.offline import export_distributed, export_hf
     from shardkit.sources import detect_kind, open_source
 
-    # a missing path or not a checkpoint is bad input (2), not a bad checkpoint
-    local_kind = checkpoint_kind(args.src) if "://" not in args.src else None
-    kind = args.from_kind or local_kind or detect_kind(args.src)
-    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    max_shard_bytes = _max_shard_bytes(args.max_shard_size)  # options first: a bad one is 2, nothing opened
     if args.config and not os.path.isfile(args.config):
         raise FileNotFoundError(f"--config {args.config} does not exist")
+    # a missing path or not a checkpoint is bad input (2), not a bad checkpoint
+    local_kind = checkpoint_kind(args.src) if "://" not in args.src else None
+    if args.from_kind and local_kind and args.from_kind != local_kind:
+        _check_from(args.src, args.from_kind, local_kind)
+    kind = args.from_kind or local_kind or detect_kind(args.src)
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     with open_source(args.src, kind) as src:
         total = sum(i.nbytes for i in src.tensors().values())
     start = time.perf_counter()
     with progress_bar(args, total, f"convert {kind} -> {args.to}") as update:
         if args.to == "hf":
             export_hf(args.src, args.dst, kind=kind, prefix=args.prefix, dtype=dtype,
-                      max_shard_bytes=shard_size_bytes(args.max_shard_size), config=args.config, progress=update)
+                      max_shard_bytes=max_shard_bytes, config=args.config, progress=update)
         else:
             export_distributed(args.src, args.dst, kind=kind, dtype=dtype, progress=update)
     seconds = time.perf_counter() - start
@@ -84,3 +88,48 @@ def run(args) -> int:
     else:
         print(f"{args.dst}: {count} tensors written as {args.to} from {kind} checkpoint {args.src} in {seconds:.2f} s")
     return 0
+
+
+def _max_shard_bytes(value: str) -> int:
+    """``--max-shard-size`` in bytes (``shard_size_bytes``' rules); ``InputError`` (exit 2) when it is not a
+    positive whole size."""
+    from shardkit.errors import MetadataError
+    from shardkit.hf.index import shard_size_bytes
+
+    try:
+        nbytes = shard_size_bytes(value)
+    except MetadataError as e:
+        raise InputError(f"--max-shard-size {value!r} is not a size: {e}") from e
+    if nbytes < 1:
+        raise InputError(f"--max-shard-size {value!r} is {nbytes} bytes; give a positive size such as 5GB or 500MB")
+    return nbytes
+
+
+#: What each --from needs in SRC, by the names ``checkpoint_kind`` tells the formats apart by.
+_FROM_FILES = {
+    DISTRIBUTED: (f"{_DISTRIBUTED_NAME} or rank_*.safetensors",
+                  lambda n: n == _DISTRIBUTED_NAME or n.startswith("rank_")),
+    HF: (" or ".join(_HF_NAMES), lambda n: n in _HF_NAMES),
+    DCP: (f"{_DCP_NAME} or *.distcp", lambda n: n == _DCP_NAME or n.endswith(".distcp")),
+}
+
+
+def _check_from(src: str, from_kind: str, found_kind: str) -> None:
+    """``InputError`` (exit 2) when SRC, detected as ``found_kind``, holds none of ``from_kind``'s files.
+
+    A directory holding two formats (a DCP save beside ``model.safetensors``) is detected as one of them;
+    ``--from`` then picks the other, so only a format with no file of its own there is refused.
+    """
+    import os
+
+    local = src
+    if src[:5].lower() == "file:":
+        from shardkit.storage.backend import file_url_path  # as checkpoint_kind reads it
+
+        local = file_url_path(src)
+    what, is_its_file = _FROM_FILES[from_kind]
+    if any(is_its_file(n) for n in os.listdir(local)):
+        return
+    names = {DISTRIBUTED: "shardkit distributed", HF: "Hugging Face", DCP: "PyTorch DCP"}
+    raise InputError(f"{src} holds a {names[found_kind]} checkpoint, not a {names[from_kind]} one (it has no "
+                     f"{what}); pass --from {found_kind}, or leave --from out to detect it")

@@ -38,7 +38,7 @@ def run(args) -> int:
     from shardkit.sources import open_source
 
     if args.world_size < 1:
-        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+        raise InputError(f"--world-size must be >= 1, got {args.world_size}; pass the number of ranks to reshard for")
     kind = checkpoint_kind(args.src)  # a missing path or not a checkpoint: bad input (2), not a bad checkpoint
     if kind != DISTRIBUTED:
         raise InputError(f"{args.src} is a {kind} checkpoint; reshard rewrites shardkit distributed checkpoints: "

@@ -285,8 +285,10 @@ def export_distributed(src: str, dst: str, *, kind: Optional[str] = None, dtype:
 
     Saved as one rank with every tensor replicated (it loads on any world
     size; reshard it for a sharded layout). Plain values the source keeps
-    (DCP's ints, floats, strings) go to ``objects``; a distributed source's
-    nesting and user metadata are kept. Tensor by tensor.
+    (DCP's ints, floats, strings, and lists, tuples and dicts of them such as
+    AdamW's ``betas``) go to ``objects`` as shardkit's save writes them (see
+    :func:`_leaf_objects`); a distributed source's nesting and user metadata
+    are kept. Tensor by tensor.
 
     >>> export_distributed("dcp_ckpt", "ckpt/imported")
     """
@@ -300,7 +302,36 @@ def export_distributed(src: str, dst: str, *, kind: Optional[str] = None, dtype:
             spec = TensorShardSpec(tuple(info.shape), None, ())
             entries[name] = (_out_dtype(info.dtype, dtype), spec, lambda r, s=info.shape: tuple(whole_box(s)))
             fills[name] = _filler(source, name, info.dtype)
-        objects, structure, user_metadata = source.objects(), source.structure(), source.user_metadata()
+        objects, structure = _leaf_objects(src, list(entries), source.objects(), source.structure())
+        user_metadata = source.user_metadata()
         publish_directory(dst, lambda tmp: _write_distributed(tmp, 1, entries, lambda n, o, out: fills[n](out),
                                                               objects, structure, user_metadata, progress),
                           _check_distributed)
+
+
+def _leaf_objects(src: str, tensor_names: list, objects: dict, structure) -> tuple:
+    """``(objects, structure)`` for the manifest: plain leaves only, as shardkit's own save writes them.
+
+    A source without a structure (DCP, HF) may hold a list, tuple or dict as
+    one value (DCP keeps AdamW's ``optim.param_groups.0.betas`` whole); the
+    manifest holds only plain leaves, so the names and values are flattened
+    by :func:`~shardkit.checkpoint.nested.flatten` (``...betas.0``,
+    ``...betas.1``) and its structure keeps each source name as one
+    top-level key: a load gives back the source's names, each value as it
+    was (a tuple as a tuple). A source with a structure (shardkit's own) is
+    already in that form and is kept as is. Does not write anything.
+
+    >>> _leaf_objects("ck", ["w"], {"b": (0.9, 0.99)}, None)[0]
+    {'b.0': 0.9, 'b.1': 0.99}
+    """
+    from shardkit.checkpoint.nested import flatten
+
+    if structure is not None or not objects:
+        return objects, structure
+    placeholder = torch.empty(0)  # the tensors' leaves in the structure; their bytes are written from the source
+    try:
+        flat = flatten({**dict.fromkeys(tensor_names, placeholder), **objects})
+    except TypeError as e:  # a value JSON cannot hold (inf, nan): the source is fine, the format cannot take it
+        raise TensorMismatchError(f"{src}: {e}; shardkit keeps plain values as JSON in metadata.json, so this "
+                                  f"checkpoint cannot be converted as it is (nothing was written)") from e
+    return flat.objects, flat.structure
