@@ -38,6 +38,15 @@ def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3g}"
 
 
+def _value_text(value) -> str:
+    """A value as JSON where it is plain, else its repr (bytes, a set, a dtype, a tensor); one line, <= 80 chars."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return " ".join(text.split())[:80]
+
+
 def run(args) -> int:
     from shardkit.offline import diff_checkpoints
     from shardkit.sources import open_source
@@ -65,7 +74,7 @@ def run(args) -> int:
         elif args.all:
             print(f"  = {t.name}  identical ({'recorded checksums' if t.how == 'checksum' else t.how})")
     for name, (va, vb) in report.values.items():
-        print(f"  ~ {name}  value {json.dumps(va, default=str)[:80]} -> {json.dumps(vb, default=str)[:80]}")
+        print(f"  ~ {name}  value {_value_text(va)} -> {_value_text(vb)}")
     by_checksum = sum(1 for t in same if t.how == "checksum")
     verdict = "identical" if report.identical else "differ"
     how = (f"{by_checksum} from recorded checksums, bytes not read: --verify reads them" if by_checksum

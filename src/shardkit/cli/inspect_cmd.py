@@ -25,7 +25,8 @@ from shardkit.cli.target import DCP, HF, checkpoint_kind
 def register(sub) -> None:
     p = sub.add_parser("inspect", help="show what a checkpoint holds (reads only its manifest or headers)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="a checkpoint directory: distributed (metadata.json) or Hugging Face")
+    p.add_argument("path", help="a checkpoint directory or URL: distributed (metadata.json), "
+                                "Hugging Face or PyTorch DCP (.metadata)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.set_defaults(run=run)
 

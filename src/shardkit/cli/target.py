@@ -1,15 +1,18 @@
 """What a CLI path argument points at, checked before anything is opened.
 
 ``checkpoint_kind(path)`` says whether ``path`` is a distributed checkpoint
-(``metadata.json``, or rank files of a save that never finished) or a Hugging
-Face one (an index or a single weights file), and raises :class:`InputError`
-(exit code 2) for a missing path, a file, a directory that holds no
-checkpoint at all, or a checkpoint file that is not a regular file (a FIFO
-would block the reader forever). It reads no file contents.
+(``metadata.json``, or rank files of a save that never finished), a Hugging
+Face one (an index or a single weights file) or a PyTorch DCP one
+(``.metadata``, or ``.distcp`` files of a save that never finished), and
+raises :class:`InputError` (exit code 2) for a missing path, a file, a
+directory that holds no checkpoint at all, or a checkpoint file that is not a
+regular file (a FIFO would block the reader forever). A URL (``s3://``,
+``memory://``) is asked of its store with :func:`shardkit.sources.detect_kind`.
+It reads no file contents.
 
 Example::
 
-    kind = checkpoint_kind("ckpt/step-100")      # "distributed" or "hf"
+    kind = checkpoint_kind("ckpt/step-100")      # "distributed", "hf" or "dcp"
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def checkpoint_kind(path: str) -> str:
 
         local = file_url_path(path)
     elif "://" in path:
-        return HF if _remote_is_hf(path) else DISTRIBUTED
+        return _remote_kind(path)
     else:
         local = path
     if not os.path.exists(local):
@@ -99,8 +102,14 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _remote_is_hf(path: str) -> bool:
-    from shardkit.hf.directory import get_checkpoint_metadata
+def _remote_kind(path: str) -> str:
+    """The kind :func:`~shardkit.sources.detect_kind` finds on the store (as ``diff`` opens it); where it
+    finds none, ``"distributed"``: a store lists no rank objects here, so the distributed reader says
+    what is missing (``metadata.json`` of a save that never finished)."""
+    from shardkit.errors import MetadataError
+    from shardkit.sources import detect_kind
 
-    meta = get_checkpoint_metadata(path)
-    return meta is not None and not meta.distributed
+    try:
+        return detect_kind(path)
+    except MetadataError:
+        return DISTRIBUTED

@@ -4,7 +4,9 @@ A distributed checkpoint (``metadata.json``): re-reads every data file and
 compares sizes and checksums with the manifest. A Hugging Face checkpoint
 (``model.safetensors[.index.json]``, ``pytorch_model.bin[.index.json]``):
 every file the index names is there, its header reads back, and its tensors
-fit the file. Prints the first problems (all with ``--all``; ``--json`` for
+fit the file. A PyTorch DCP checkpoint (``.metadata``): every tensor and
+value record is read back through the restricted reader and checked against
+the CRC-32s it carries. Prints the first problems (all with ``--all``; ``--json`` for
 ``{"path", "ok", "problems"}``). Exit code 0 when complete and intact, 1 when
 not, 2 when DIR is missing or not a checkpoint. It never modifies the checkpoint.
 """
@@ -51,20 +53,22 @@ def problems_of(path: str, progress=None) -> list[str]:
 
 
 def dcp_problems(path: str) -> list[str]:
-    """What is wrong with a DCP checkpoint: it records no checksums, so every tensor record is read
-    once (one at a time) through the restricted reader; each failure is one problem."""
+    """What is wrong with a DCP checkpoint: every tensor record and every value record is read once
+    (one at a time) through the restricted reader, each checked against the CRC-32s its record
+    carries; each failure is one problem."""
     from shardkit.errors import ShardkitError
-    from shardkit.sources import open_source
+    from shardkit.sources import DcpCheckpoint
 
     try:
-        source = open_source(path, "dcp")
+        ck = DcpCheckpoint(path)
     except (ShardkitError, OSError) as e:
         return [f"{path}: {e}"]
     problems = []
-    with source:
-        for name in source.tensors():
+    with ck:
+        reads = [(n, ck.read) for n in ck.tensors] + [(n, ck.read_value) for n in ck.values]
+        for name, read in reads:
             try:
-                source.read(name)
+                read(name)
             except (ShardkitError, OSError) as e:
                 problems.append(f"{name}: {e}")
     return problems

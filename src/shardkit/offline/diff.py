@@ -4,8 +4,9 @@ Reports names only in one, shape or dtype changes, and for every common
 tensor whether it is identical: from checksums without reading where both
 sides carry comparable ones (two distributed checkpoints), else by reading
 both tensors (one pair at a time) and computing the largest absolute
-difference and the largest relative one, ``max|a - b| / max|a|``. It does
-not compare plain values' types, only their equality.
+difference and the largest relative one, ``max|a - b| / max|a|``. Non-tensor
+values are compared too: numbers by value (``1`` equals ``1.0``), anything
+else (a DCP's bytes, sets, dtypes, tensors inside tuples) by type and value.
 
 Example::
 
@@ -74,24 +75,41 @@ def _widened(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bytes, or equal values with NaNs where the other has NaNs (``-0.0`` equals ``0.0``)."""
+    """Equal bytes, or equal values where NaN equals only NaN (any payload) and ``-0.0`` equals ``0.0``;
+    ``inf`` equals only ``inf`` of the same sign. A complex element compares its two parts apart."""
     if torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)):
         return True
     if not (a.is_floating_point() or a.is_complex()):
         return False
     wa, wb = _widened(a, b)
-    return torch.equal(wa.isnan(), wb.isnan()) and torch.equal(wa.nan_to_num(), wb.nan_to_num())
+    if wa.is_complex():
+        wa, wb = torch.view_as_real(wa), torch.view_as_real(wb)
+    nan_a = wa.isnan()
+    return torch.equal(nan_a, wb.isnan()) and bool((nan_a | (wa == wb)).all())
 
 
-def _same_plain(x, y) -> bool:
-    """Plain values equal, NaN equal to NaN (a float value that is NaN in both is not a change)."""
-    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
-        return True
+def _same_value(x, y) -> bool:
+    """Two values equal (NaN equal to NaN): plain values, and what a DCP keeps beside them (bytes,
+    complex, sets, dtypes, tensors inside tuples: same type, and a tensor same dtype, shape and values)."""
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                and x.shape == y.shape and _same_values(x.cpu(), y.cpu()))
+    if isinstance(x, (float, complex)) and isinstance(y, (float, complex)) and type(x) is type(y):
+        return all(p == q or (math.isnan(p) and math.isnan(q)) for p, q in zip(_parts(x), _parts(y)))
     if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
-        return type(x) is type(y) and len(x) == len(y) and all(map(_same_plain, x, y))
+        return type(x) is type(y) and len(x) == len(y) and all(map(_same_value, x, y))
     if isinstance(x, dict) and isinstance(y, dict):
-        return x.keys() == y.keys() and all(_same_plain(x[k], y[k]) for k in x)
-    return x == y
+        return x.keys() == y.keys() and all(_same_value(x[k], y[k]) for k in x)
+    return (type(x) is type(y) or _numbers(x, y)) and bool(x == y)
+
+
+def _parts(z: float | complex) -> tuple[float, float]:
+    return (z.real, z.imag) if isinstance(z, complex) else (z, 0.0)
+
+
+def _numbers(x, y) -> bool:
+    """Both bool, int or float (a JSON value read back may change among them: ``1`` vs ``1.0``)."""
+    return all(isinstance(v, (bool, int, float)) for v in (x, y))
 
 
 def diff_checkpoints(a: str, b: str, *, kind_a: Optional[str] = None, kind_b: Optional[str] = None,
@@ -114,10 +132,17 @@ def diff_checkpoints(a: str, b: str, *, kind_a: Optional[str] = None, kind_b: Op
             report.tensors.append(_compare(name, ta[name], tb[name], src_a, src_b, verify))
             if progress is not None:
                 progress(ta[name].nbytes)
-        oa, ob = src_a.objects(), src_b.objects()
+        oa, ob = _values(src_a), _values(src_b)
         report.values = {n: [oa.get(n), ob.get(n)] for n in sorted(set(oa) | set(ob))
-                         if n not in oa or n not in ob or not _same_plain(oa[n], ob[n])}
+                         if n not in oa or n not in ob or not _same_value(oa[n], ob[n])}
     return report
+
+
+def _values(src) -> dict:
+    """Every non-tensor value ``src`` keeps: all of a DCP's (bytes, sets, dtypes too), other kinds' plain ones."""
+    from shardkit.sources.readers import DcpSource
+
+    return src.all_values() if isinstance(src, DcpSource) else src.objects()
 
 
 def _compare(name, ia, ib, src_a, src_b, verify: bool = False) -> TensorDiff:

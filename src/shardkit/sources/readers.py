@@ -196,16 +196,21 @@ class DcpSource(CheckpointSource):
         """The DCP's plain values (numbers, strings, and lists, tuples and string-keyed dicts of them).
 
         A damaged value raises (it is part of the checkpoint); one that is not
-        plain data (e.g. a pickled object) is left out, with a log line.
+        plain data (bytes, a set, a dtype, a tuple holding a tensor) is left
+        out, with a log line: :meth:`all_values` has those too.
         """
         out = {}
-        for name in self.checkpoint.values:
-            value = self.checkpoint.read_value(name)
+        for name, value in self.all_values().items():
             if _plain(value):
                 out[name] = value
             else:
                 log.info("skipping DCP value %s (a %s, not a plain value)", name, type(value).__name__)
         return out
+
+    def all_values(self) -> dict[str, Any]:
+        """Every non-tensor value as ``torch.load(weights_only=True)`` gives it, plain or not (for comparing,
+        not for writing as JSON); one it refuses (damaged, or a pickled object) raises."""
+        return {name: self.checkpoint.read_value(name) for name in self.checkpoint.values}
 
     def close(self) -> None:
         self.checkpoint.close()
