@@ -63,6 +63,13 @@ def test_convert_to_distributed_keeps_adamw_s_betas_and_params(adamw_dcp, tmp_pa
     # and it travels on: reshard keeps the values
     assert in_process("reshard", tmp_path / "dist", tmp_path / "ws2", "--world-size", "2", "-q")[0] == 0
     assert load_consolidated(str(tmp_path / "ws2"))["optim.param_groups.0.betas"] == (0.9, 0.95)
+    # diff compares a value the DCP keeps whole with the converted one's leaves, leaf by leaf
+    code, out, err = in_process("diff", src, tmp_path / "ws2")
+    assert code == 0 and "identical" in out, out + err
+    changed = _model_and_adamw()
+    changed["optim"]["param_groups"][0]["betas"] = (0.9, 0.999)
+    code, out, _ = in_process("diff", _dcp_save(changed, tmp_path / "changed"), tmp_path / "ws2")
+    assert code == 1 and "optim.param_groups.0.betas.1" in out and "0.999" in out, out
 
 
 def test_a_nested_plain_value_comes_back_nested_and_a_non_finite_one_is_refused(tmp_path):

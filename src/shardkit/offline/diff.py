@@ -132,7 +132,7 @@ def diff_checkpoints(a: str, b: str, *, kind_a: Optional[str] = None, kind_b: Op
             report.tensors.append(_compare(name, ta[name], tb[name], src_a, src_b, verify))
             if progress is not None:
                 progress(ta[name].nbytes)
-        oa, ob = _values(src_a), _values(src_b)
+        oa, ob = _leaves(_values(src_a)), _leaves(_values(src_b))
         report.values = {n: [oa.get(n), ob.get(n)] for n in sorted(set(oa) | set(ob))
                          if n not in oa or n not in ob or not _same_value(oa[n], ob[n])}
     return report
@@ -143,6 +143,28 @@ def _values(src) -> dict:
     from shardkit.sources.readers import DcpSource
 
     return src.all_values() if isinstance(src, DcpSource) else src.objects()
+
+
+def _leaves(values: dict) -> dict:
+    """``values`` with every non-empty list, tuple and dict split into dotted leaves (``betas.0``), as
+    shardkit's own save names them: a value a DCP keeps whole (AdamW's ``betas`` tuple) and the same
+    value a converted checkpoint keeps leaf by leaf compare equal, and a difference is named by its
+    leaf. An empty container stays a leaf of its own."""
+    out: dict = {}
+
+    def walk(name: str, value) -> None:
+        if isinstance(value, (list, tuple)) and value:
+            for i, item in enumerate(value):
+                walk(f"{name}.{i}", item)
+        elif isinstance(value, dict) and value:
+            for key, item in value.items():
+                walk(f"{name}.{key}", item)
+        else:
+            out[name] = value
+
+    for name, value in values.items():
+        walk(name, value)
+    return out
 
 
 def _compare(name, ia, ib, src_a, src_b, verify: bool = False) -> TensorDiff:
