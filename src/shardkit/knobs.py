@@ -227,6 +227,18 @@ COMM_CHECK_ARGS: bool = False
 #: number of saved chunks: a large sharded model has tens of MiB).
 DCP_MAX_METADATA_BYTES: int = 512 * 1024 * 1024
 
+#: Most pickle opcodes a DCP ``.metadata`` may hold. DCP writes about one per
+#: 2 bytes (a 23 MiB file of 160k chunks: 11.7M), so this admits ~200 MiB of
+#: real metadata, while bounding what the unpickler builds from a hostile file
+#: of one-byte opcodes (each can be a new object on its stack or in its memo).
+DCP_MAX_METADATA_OPS: int = 100_000_000
+
+#: Most ``.distcp`` files a DCP reader holds open at once; past it the least
+#: recently used is closed (and reopened when next read: a metadata request on
+#: an object store). A DCP saved with one file per tensor has thousands, and
+#: holding them all ran out of file descriptors (EMFILE).
+DCP_OPEN_FILES: int = 64
+
 #: Check each DCP record's bytes against the CRC-32 its zip entry carries
 #: (``torch.load`` does not): a flipped byte in a ``.distcp`` file raises
 #: ``ChecksumError`` instead of loading. Costs a CRC pass over the bytes read

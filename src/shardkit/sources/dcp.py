@@ -7,11 +7,15 @@ of a tensor is one ``torch.save`` record (a small zip) at the byte range
 ``storage_data[MetadataIndex(fqn, chunk offsets)]`` gives (relative path,
 offset, length); each non-tensor value is a ``torch.save``'d object there too.
 Both are read with ``torch.load(weights_only=True)`` over just that byte
-range, never with pickle. A tensor saved in chunks (a sharded save on N
-ranks) is assembled chunk by chunk, or only the chunks overlapping a box are
-read. Not supported: DCP storage extensions (compression transforms) and
-the Hugging Face storage writer's safetensors layout; both are refused with
-a :class:`~shardkit.errors.MetadataError`.
+range, never with pickle (an ``io.BytesIO`` value is admitted, and read as
+its bytes). A tensor saved in chunks (a sharded save on N ranks) is
+assembled chunk by chunk, or only the chunks overlapping a box are read. A
+chunk whose record is shorter than its data is refused on open, and a read
+checks that its records lie inside their files before it allocates, so
+memory is bounded by the bytes on disk. At most ``knobs.DCP_OPEN_FILES``
+data files are held open. Not supported: DCP storage extensions
+(compression transforms) and the Hugging Face storage writer's safetensors
+layout; both are refused with a :class:`~shardkit.errors.MetadataError`.
 
 Example::
 
@@ -26,19 +30,22 @@ import io
 import logging
 import math
 import pickle
+import threading
 import zipfile
+from collections import Counter, OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from shardkit import knobs
+from shardkit.dtypes import itemsize_bytes
 from shardkit.errors import ChecksumError, IncompleteCheckpointError, MetadataError, MissingShardError
 from shardkit.layout import Box, cover_problem, intersect, whole_box
-from shardkit.sources.dcp_metadata import read_dcp_metadata
+from shardkit.sources.dcp_metadata import chunk_boxes, int_tuple, read_dcp_metadata, storage_locations
 from shardkit.sources.dcp_record import check_record_crcs, crc32, tensor_data_span
 from shardkit.storage import Reader, check_relative_name, storage_for
-from shardkit.storage.json_io import expect_int
 from shardkit.storage.tensor_io import byte_view
 
 __all__ = ["DcpChunk", "DcpTensor", "DcpCheckpoint", "is_dcp_checkpoint"]
@@ -97,11 +104,58 @@ class _RecordView(io.RawIOBase):
         return n
 
 
+class _OpenReaders:
+    """The data files' readers, at most ``knobs.DCP_OPEN_FILES`` kept open, the least recently used closed first.
+
+    A DCP saved with one file per tensor has thousands of files: holding every
+    one open ran out of file descriptors (EMFILE). A reader that a read (on any
+    thread) is using is never closed, so the bound may be passed by the reads
+    in flight. It does not open anything before it is asked for.
+    """
+
+    def __init__(self, open_reader: Callable[[str], Reader]):
+        self._open_reader = open_reader
+        self._lock = threading.Lock()
+        self._readers: OrderedDict[str, Reader] = OrderedDict()
+        self._in_use: Counter[str] = Counter()
+
+    @contextmanager
+    def use(self, file_name: str) -> Iterator[Reader]:
+        with self._lock:
+            if file_name not in self._readers:
+                self._trim(room=1)  # before the open: the bound is on descriptors held at once
+                self._readers[file_name] = self._open_reader(file_name)
+            self._readers.move_to_end(file_name)
+            self._in_use[file_name] += 1
+            reader = self._readers[file_name]
+        try:
+            yield reader
+        finally:
+            with self._lock:
+                self._in_use[file_name] -= 1
+                if self._in_use[file_name] <= 0:
+                    del self._in_use[file_name]
+                self._trim()
+
+    def _trim(self, room: int = 0) -> None:
+        excess = len(self._readers) + room - max(1, knobs.DCP_OPEN_FILES)
+        if excess > 0:
+            for name in [n for n in self._readers if n not in self._in_use][:excess]:
+                self._readers.pop(name).close()
+
+    def close(self) -> None:
+        with self._lock:
+            for reader in self._readers.values():
+                reader.close()
+            self._readers.clear()
+
+
 class DcpCheckpoint:
     """An open DCP checkpoint directory: names, dtypes, shapes; tensors read one at a time.
 
-    Reads ``.metadata`` once, holds the data files open until :meth:`close`
-    (also a context manager). Memory: one tensor (or one box) at a time.
+    Reads ``.metadata`` once, holds up to ``knobs.DCP_OPEN_FILES`` data files
+    open until :meth:`close` (also a context manager). Memory: one tensor (or
+    one box) at a time; never more than its chunks' records hold on disk.
     """
 
     def __init__(self, dir):
@@ -109,25 +163,24 @@ class DcpCheckpoint:
         self.metadata = read_dcp_metadata(dir)
         self.tensors: dict[str, DcpTensor] = {}
         self.values: dict[str, DcpChunk] = {}
-        self._readers: dict[str, Reader] = {}
+        self._files = _OpenReaders(self._open_reader)
         self._spans: dict[DcpChunk, tuple[int, int] | None] = {}
         self._index()
 
     def _index(self) -> None:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-        where = {(k.fqn, tuple(k.offset) if k.offset is not None else None): v
-                 for k, v in (self.metadata.storage_data or {}).items()}
+        where = storage_locations(self.metadata, f"{self.directory}/.metadata")
         for fqn, entry in self.metadata.state_dict_metadata.items():
             if isinstance(entry, TensorStorageMetadata):
                 what = f"{self.directory}/.metadata: tensor {fqn!r}"
                 dtype = getattr(getattr(entry, "properties", None), "dtype", None)
                 if not isinstance(dtype, torch.dtype):
                     raise MetadataError(f"{what} has dtype {dtype!r}, not a torch dtype; the metadata is corrupt")
-                size = _ints(entry.size, f"{what}: size")
-                chunks = tuple(self._chunk(fqn, Box(_ints(c.offsets, f"{what}: a chunk's offsets"),
-                                                    _ints(c.sizes, f"{what}: a chunk's sizes")), where)
-                               for c in _items(entry.chunks, f"{what}: chunks"))
+                size = int_tuple(getattr(entry, "size", None), f"{what}: size")
+                chunks = tuple(self._chunk(fqn, box, where) for box in chunk_boxes(entry, what))
+                for chunk in chunks:
+                    self._check_record_length(fqn, dtype, chunk)
                 self._check_cover(fqn, size, chunks)
                 self.tensors[fqn] = DcpTensor(dtype, size, chunks)
             elif isinstance(entry, BytesStorageMetadata):
@@ -142,6 +195,16 @@ class DcpCheckpoint:
             raise MetadataError(f"{self.directory}/.metadata: the chunks of {fqn!r} do not cover its shape "
                                 f"{list(shape)} exactly, each element once: {problem}; the metadata is corrupt")
 
+    def _check_record_length(self, fqn: str, dtype: torch.dtype, chunk: DcpChunk) -> None:
+        """Refuse a chunk whose record is shorter than its data: a ``torch.save`` record never is, and the
+        check bounds what a read allocates by the bytes on disk (a 16-byte record claiming 512 GiB)."""
+        data_bytes = chunk.box.numel * itemsize_bytes(dtype)
+        if chunk.length < data_bytes:
+            raise MetadataError(
+                f"{self.directory}/.metadata: tensor {fqn!r} (chunk at {list(chunk.box.offsets)}, sizes "
+                f"{list(chunk.box.sizes)}, {dtype}) needs {data_bytes} bytes, but its record in {chunk.file_name} is "
+                f"{chunk.length} bytes long; the metadata is corrupt or hostile. Restore it from a copy")
+
     def _chunk(self, fqn: str, box: Box | None, where: dict) -> DcpChunk:
         info = where.get((fqn, box.offsets if box is not None else None))
         if info is None:
@@ -153,31 +216,38 @@ class DcpCheckpoint:
                                 f"checkpoints (save without storage extensions)")
         file_name = check_relative_name(getattr(info, "relative_path", None), (".distcp",),
                                         source=f"{self.directory}/.metadata")
-        offset, length = _ints((getattr(info, "offset", None), getattr(info, "length", None)),
-                               f"{self.directory}/.metadata: {fqn!r}'s offset and length")
+        offset, length = int_tuple((getattr(info, "offset", None), getattr(info, "length", None)),
+                                   f"{self.directory}/.metadata: {fqn!r}'s offset and length")
         return DcpChunk(box, file_name, offset, length)
 
     # -- reading -----------------------------------------------------------------------------------
 
-    def _reader(self, file_name: str) -> Reader:
-        if file_name not in self._readers:
-            path = self.storage.join(self.directory, file_name)
-            if not self.storage.exists(path):
-                raise MissingShardError(f"{self.directory}: {file_name}, named by .metadata, is missing; "
-                                        f"the DCP checkpoint is incomplete")
-            self._readers[file_name] = self.storage.open_reader(path)
-        return self._readers[file_name]
+    def _open_reader(self, file_name: str) -> Reader:
+        path = self.storage.join(self.directory, file_name)
+        if not self.storage.exists(path):
+            raise MissingShardError(f"{self.directory}: {file_name}, named by .metadata, is missing; "
+                                    f"the DCP checkpoint is incomplete")
+        return self.storage.open_reader(path)
 
-    def _load_record(self, chunk: DcpChunk, what: str) -> Any:
-        reader = self._reader(chunk.file_name)
+    def _check_in_file(self, chunk: DcpChunk, reader: Reader, what: str) -> None:
         if chunk.offset < 0 or chunk.length < 0 or chunk.offset + chunk.length > reader.size_bytes:
             raise IncompleteCheckpointError(
                 f"{self.directory}/{chunk.file_name} is {reader.size_bytes} bytes, but {what} is recorded at "
                 f"{chunk.offset}..{chunk.offset + chunk.length}: the file is truncated")
-        record = reader.read(chunk.offset, chunk.length)
+
+    def _read_record(self, chunk: DcpChunk, what: str) -> bytes:
+        with self._files.use(chunk.file_name) as reader:
+            self._check_in_file(chunk, reader, what)
+            record = reader.read(chunk.offset, chunk.length)
         self._check_crcs(record, chunk, what)
+        return record
+
+    def _load_record(self, chunk: DcpChunk, what: str, admit: Sequence[type] = ()) -> Any:
+        """The object the record holds, by ``torch.load(weights_only=True)`` with ``admit`` allowed too."""
+        record = self._read_record(chunk, what)
         try:
-            return torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
+            with torch.serialization.safe_globals(list(admit)):
+                return torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, AttributeError) as e:
             raise MetadataError(
                 f"{self.directory}/{chunk.file_name}: {what} was refused by torch.load(weights_only=True): "
@@ -204,6 +274,9 @@ class DcpCheckpoint:
         pieces = [c for c in meta.chunks if intersect(c.box, want) is not None]
         if len(pieces) == 1 and pieces[0].box == want and math.prod(want.sizes) > 0:
             return self._load_chunk(name, pieces[0])
+        for chunk in pieces:  # before the allocation: it is then bounded by the bytes on disk
+            with self._files.use(chunk.file_name) as reader:
+                self._check_in_file(chunk, reader, f"tensor {name!r} (chunk at {list(chunk.box.offsets)})")
         out = torch.empty(want.sizes, dtype=meta.dtype)
         self.read_into(name, out, want.offsets)
         return out
@@ -249,16 +322,16 @@ class DcpCheckpoint:
         """Copy the chunk's bytes from the file into ``dst`` when its record allows; False: use torch.load."""
         if dst.numel() == 0:
             return True
-        reader = self._reader(chunk.file_name)
-        if chunk.offset < 0 or chunk.length < 0 or chunk.offset + chunk.length > reader.size_bytes:
-            return False  # _load_record explains it
-        if chunk not in self._spans:
-            self._spans[chunk] = tensor_data_span(_RecordView(reader, chunk.offset, chunk.length),
-                                                  self.tensors[name].dtype, chunk.box.sizes)
-        span = self._spans[chunk]
-        if span is None or span[0] + span[1] > chunk.length:
-            return False
-        reader.read_into(chunk.offset + span[0], byte_view(dst))
+        with self._files.use(chunk.file_name) as reader:
+            if chunk.offset < 0 or chunk.length < 0 or chunk.offset + chunk.length > reader.size_bytes:
+                return False  # _load_record explains it
+            if chunk not in self._spans:
+                self._spans[chunk] = tensor_data_span(_RecordView(reader, chunk.offset, chunk.length),
+                                                      self.tensors[name].dtype, chunk.box.sizes)
+            span = self._spans[chunk]
+            if span is None or span[0] + span[1] > chunk.length:
+                return False
+            reader.read_into(chunk.offset + span[0], byte_view(dst))
         if knobs.DCP_VERIFY_CRC and crc32(byte_view(dst)) != span[2]:
             raise self._corrupt(chunk, f"tensor {name!r} (chunk at {list(chunk.box.offsets)})")
         return True
@@ -274,22 +347,16 @@ class DcpCheckpoint:
             f"or load an earlier checkpoint.")
 
     def read_value(self, name: str) -> Any:
-        """The non-tensor value ``name`` (``torch.load(weights_only=True)``; refused if it is not plain data)."""
+        """The non-tensor value ``name`` (``torch.load(weights_only=True)``; refused if it is not plain data).
+
+        An ``io.BytesIO`` leaf (DCP ``torch.save``s it like any value; the
+        weights-only unpickler refused it, which made the whole checkpoint
+        unreadable) comes back as its raw ``bytes``: data, comparable by value.
+        """
         if name not in self.values:
             raise MetadataError(f"{self.directory} has no value {name!r}")
-        chunk = self.values[name]
-        reader = self._reader(chunk.file_name)
-        if chunk.offset < 0 or chunk.length < 0 or chunk.offset + chunk.length > reader.size_bytes:
-            raise IncompleteCheckpointError(
-                f"{self.directory}/{chunk.file_name} is {reader.size_bytes} bytes, but value {name!r} is recorded at "
-                f"{chunk.offset}..{chunk.offset + chunk.length}: the file is truncated")
-        record = reader.read(chunk.offset, chunk.length)
-        self._check_crcs(record, chunk, f"value {name!r}")
-        try:
-            return torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as e:
-            raise MetadataError(f"{self.directory}: value {name!r} was refused by torch.load(weights_only=True) "
-                                f"({type(e).__name__}: {str(e)[:200]})") from e
+        value = self._load_record(self.values[name], f"value {name!r}", admit=(io.BytesIO,))
+        return value.getvalue() if isinstance(value, io.BytesIO) else value
 
     def _tensor(self, name: str) -> DcpTensor:
         if name not in self.tensors:
@@ -298,27 +365,13 @@ class DcpCheckpoint:
         return self.tensors[name]
 
     def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
-        self._readers.clear()
+        self._files.close()
 
     def __enter__(self) -> "DcpCheckpoint":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _items(value, what: str) -> list:
-    if not isinstance(value, (list, tuple)):
-        raise MetadataError(f"{what} is {type(value).__name__}, not a list; the metadata is corrupt")
-    return list(value)
-
-
-def _ints(value, what: str) -> tuple[int, ...]:
-    """``value`` (a list, tuple or torch.Size) as a tuple of ints >= 0 (``expect_int`` each), else MetadataError."""
-    items = _items(value, what) if not isinstance(value, torch.Size) else list(value)
-    return tuple(expect_int(v, what, high=2**63 - 1) for v in items)
 
 
 def _region(t: torch.Tensor, box: Box, part: Box) -> torch.Tensor:

@@ -10,7 +10,10 @@ containers) via ``torch.serialization.safe_globals``. That unpickler reads
 protocol-2 opcodes only, so the protocol-4 stream is first rewritten opcode
 for opcode (``pickle_downgrade``: a parser, it builds nothing). Any other global (say,
 ``os.system``) is refused before it is called, and the refusal is a
-:class:`~shardkit.errors.MetadataError`. This module does not read tensor data.
+:class:`~shardkit.errors.MetadataError`. The unpickler admits DCP's classes
+with any field values, so :func:`storage_locations` and :func:`chunk_boxes`
+check the types of what the reader then uses. This module does not read
+tensor data.
 
 Example::
 
@@ -25,12 +28,17 @@ import logging
 import pathlib
 import pickle
 
+from typing import Any
+
 from shardkit import knobs
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
+from shardkit.layout import Box
 from shardkit.sources.pickle_downgrade import downgrade_pickle
 from shardkit.storage import storage_for
+from shardkit.storage.json_io import expect_int, short_repr
 
-__all__ = ["DCP_METADATA_FILE", "dcp_metadata_classes", "parse_dcp_metadata", "read_dcp_metadata"]
+__all__ = ["DCP_METADATA_FILE", "chunk_boxes", "dcp_metadata_classes", "int_tuple", "parse_dcp_metadata",
+           "read_dcp_metadata", "storage_locations"]
 
 DCP_METADATA_FILE = ".metadata"
 log = logging.getLogger("shardkit.sources.dcp")
@@ -69,6 +77,10 @@ def parse_dcp_metadata(source: str, data: bytes):
         raise MetadataError(f"{source} holds a {type(obj).__name__}, not DCP Metadata; it is not a DCP checkpoint")
     if not isinstance(getattr(obj, "state_dict_metadata", None), dict):
         raise MetadataError(f"{source}: its Metadata has no state_dict_metadata dict; the file is corrupt")
+    for fqn in obj.state_dict_metadata:
+        if not isinstance(fqn, str):
+            raise MetadataError(f"{source}: state_dict_metadata has the key {short_repr(fqn)} "
+                                f"({type(fqn).__name__}); DCP's keys are str names. The file is corrupt")
     return obj
 
 
@@ -88,3 +100,63 @@ def read_dcp_metadata(dir):
             f"{directory} has no {DCP_METADATA_FILE}: the DCP save never finished (or this is not a DCP checkpoint)")
     log.debug("reading DCP metadata %s", path)
     return parse_dcp_metadata(path, storage.read_bytes(path, max_bytes=knobs.DCP_MAX_METADATA_BYTES))
+
+
+def storage_locations(meta, source: str) -> dict[tuple[str, tuple[int, ...] | None], Any]:
+    """``meta.storage_data`` as ``{(fqn, chunk offsets or None for a value): storage info}``.
+
+    Checks each key (a ``MetadataIndex`` with a str ``fqn`` and int offsets
+    or None), not the infos (the reader checks the fields it uses). None
+    (no storage_data) is an empty dict.
+    """
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    data = getattr(meta, "storage_data", None)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise MetadataError(f"{source}: storage_data is {_found(data)}, not a dict of MetadataIndex -> storage "
+                            f"info as DCP's FileSystemWriter writes; the metadata is corrupt or from another writer")
+    where = {}
+    for key, info in data.items():
+        fqn = getattr(key, "fqn", None) if isinstance(key, MetadataIndex) else None
+        if not isinstance(fqn, str):
+            raise MetadataError(f"{source}: a storage_data key is {_found(key)}, not a MetadataIndex with a "
+                                f"str fqn; the metadata is corrupt")
+        offset = getattr(key, "offset", None)
+        where[(fqn, None if offset is None else int_tuple(offset, f"{source}: storage_data's offset of {fqn!r}"))] = info
+    return where
+
+
+def chunk_boxes(entry, what: str) -> list[Box]:
+    """The boxes of a ``TensorStorageMetadata``'s chunks (each a ``ChunkStorageMetadata`` of int offsets, sizes)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    boxes = []
+    for chunk in _items(getattr(entry, "chunks", None), f"{what}: chunks"):
+        if not isinstance(chunk, ChunkStorageMetadata):
+            raise MetadataError(f"{what}: a chunk is {_found(chunk)}, not a ChunkStorageMetadata; "
+                                f"the metadata is corrupt")
+        boxes.append(Box(int_tuple(getattr(chunk, "offsets", None), f"{what}: a chunk's offsets"),
+                         int_tuple(getattr(chunk, "sizes", None), f"{what}: a chunk's sizes")))
+    return boxes
+
+
+def int_tuple(value, what: str) -> tuple[int, ...]:
+    """``value`` (a list, tuple or torch.Size) as a tuple of ints >= 0 (``expect_int`` each), else MetadataError."""
+    import torch
+
+    items = _items(value, what) if not isinstance(value, torch.Size) else list(value)
+    return tuple(expect_int(v, what, high=2**63 - 1) for v in items)
+
+
+def _items(value, what: str) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise MetadataError(f"{what} is {_found(value)}, not a list; the metadata is corrupt")
+    return list(value)
+
+
+def _found(value) -> str:
+    """What an unexpected value is, for a message: its type, and its repr when short."""
+    text = short_repr(value)
+    return f"a value of type {type(value).__name__}" + (f" ({text})" if not text.endswith("...") else "")

@@ -9,6 +9,9 @@ or called) and emits equivalent protocol-2 bytes. Every decision about what
 may be built stays with torch's unpickler. Opcodes with no protocol-2
 equivalent that DCP metadata never needs (sets, bytes, ``NEWOBJ_EX``, out of
 band buffers) are refused with :class:`~shardkit.errors.MetadataError`.
+It streams (one opcode at a time into the output; a few recent ones kept for
+``STACK_GLOBAL``) and stops past ``knobs.DCP_MAX_METADATA_OPS`` opcodes: a
+file of one-byte opcodes cost 300x its size when every opcode was kept.
 
 Example::
 
@@ -20,8 +23,9 @@ from __future__ import annotations
 import pickle
 import pickletools
 import struct
-from dataclasses import dataclass
+from collections import deque
 
+from shardkit import knobs
 from shardkit.errors import MetadataError
 
 __all__ = ["downgrade_pickle"]
@@ -34,13 +38,9 @@ _PASS = {  # protocol-2 opcodes torch's weights-only unpickler implements, copie
 _STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
 _PUTS = {"BINPUT", "LONG_BINPUT", "MEMOIZE"}
 _GETS = {"BINGET", "LONG_BINGET"}
-
-
-@dataclass
-class _Op:
-    data: bytes
-    literal: str | None = None      # the string this op pushes, when it pushes a known one
-    memo_index: int | None = None   # for an emitted put: the original memo index
+# How many emitted ops STACK_GLOBAL may reach back over: pickle.dump writes
+# "string, MEMOIZE, string, MEMOIZE, STACK_GLOBAL" (or two gets), so 4 would do.
+_WINDOW = 16
 
 
 def _unicode(value: str) -> bytes:
@@ -57,27 +57,50 @@ def _get(index: int) -> bytes:
 
 
 class _Translator:
+    """One pass over the opcodes, emitting as it goes.
+
+    Memory: the output bytes, the strings held in the memo, and the last
+    ``_WINDOW`` emitted pieces as ``(start in out, literal, memo index)`` (what
+    STACK_GLOBAL takes back); never a list of the input's opcodes. A run of
+    opcodes copied unchanged is one piece: STACK_GLOBAL never takes one back.
+    """
+
     def __init__(self, source: str, data: bytes):
         self.source, self.data = source, data
-        self.out: list[_Op] = [_Op(pickle.PROTO + bytes([2]))]
+        self.out = bytearray(pickle.PROTO + bytes([2]))
+        self.recent: deque[tuple[int, str | None, int | None]] = deque(maxlen=_WINDOW)
         self.memo_literals: dict[int, str] = {}   # memo index -> string it holds (when a string)
         self.dropped: set[int] = set()            # memo indices whose put was folded into a GLOBAL
         self.memo_size = 0
 
     def run(self) -> bytes:
-        ops = list(pickletools.genops(self.data))
-        for i, (op, arg, pos) in enumerate(ops):
-            end = ops[i + 1][2] if i + 1 < len(ops) else len(self.data)
-            self.step(op.name, arg, self.data[pos:end])
-        return b"".join(o.data for o in self.out)
+        limit, count, run_start = knobs.DCP_MAX_METADATA_OPS, 0, None
+        for op, arg, pos in pickletools.genops(self.data):
+            count += 1
+            if count > limit:
+                raise MetadataError(f"{self.source} holds more than {limit} pickle opcodes (knobs.DCP_MAX_METADATA_OPS); "
+                                    f"a DCP .metadata has about one per 2 bytes. The file is hostile or corrupt, or "
+                                    f"raise shardkit.knobs.DCP_MAX_METADATA_OPS if it is a real, very large checkpoint")
+            if op.name in _PASS:  # copied unchanged: a run of them is copied as one slice
+                run_start = pos if run_start is None else run_start
+                continue
+            if run_start is not None:
+                self.emit(memoryview(self.data)[run_start:pos])
+                run_start = None
+            self.step(op.name, arg)
+        if run_start is not None:
+            self.emit(memoryview(self.data)[run_start:])
+        return bytes(self.out)
 
-    def step(self, name: str, arg, raw: bytes) -> None:
+    def emit(self, raw, literal: str | None = None, memo_index: int | None = None) -> None:
+        self.recent.append((len(self.out), literal, memo_index))
+        self.out += raw
+
+    def step(self, name: str, arg) -> None:
         if name in ("PROTO", "FRAME"):
             return
-        if name in _PASS:
-            self.out.append(_Op(raw))
-        elif name in _STRINGS:
-            self.out.append(_Op(_unicode(arg), literal=arg))
+        if name in _STRINGS:
+            self.emit(_unicode(arg), literal=arg)
         elif name in _PUTS:
             self.put(self.memo_size if name == "MEMOIZE" else arg)
         elif name in _GETS:
@@ -89,39 +112,50 @@ class _Translator:
                                 f"(only protocol-2 data opcodes are); the file is not DCP metadata")
 
     def put(self, index: int) -> None:
-        top = self.out[-1].literal if self.out else None
+        top = self.recent[-1][1] if self.recent else None
         if top is not None:
             self.memo_literals[index] = top
         self.memo_size = max(self.memo_size, index + 1)
-        self.out.append(_Op(_put(index), memo_index=index))
+        self.emit(_put(index), memo_index=index)
 
     def get(self, index: int) -> None:
         literal = self.memo_literals.get(index)
-        if index in self.dropped:  # its put was folded away; strings are values, re-push the literal
-            self.out.append(_Op(_unicode(literal), literal=literal))
-        else:
-            self.out.append(_Op(_get(index), literal=literal))
+        if index not in self.dropped:
+            self.emit(_get(index), literal=literal)
+        elif literal is None:
+            raise MetadataError(f"{self.source}: a memo entry that named a global is read back as a value; "
+                                f"the file is not DCP metadata")
+        else:  # its put was folded away; strings are values, re-push the literal
+            self.emit(_unicode(literal), literal=literal)
 
     def stack_global(self) -> None:
         name, module = self.pop_literal(), self.pop_literal()
-        self.out.append(_Op(pickle.GLOBAL + f"{module}\n{name}\n".encode("utf-8")))
+        self.emit(pickle.GLOBAL + f"{module}\n{name}\n".encode("utf-8"))
 
     def pop_literal(self) -> str:
-        while self.out and self.out[-1].memo_index is not None:
-            self.dropped.add(self.out.pop().memo_index)
-        if not self.out or self.out[-1].literal is None:
+        while self.recent and self.recent[-1][2] is not None:
+            start, _, index = self.recent.pop()
+            self.dropped.add(index)
+            del self.out[start:]
+        if not self.recent or self.recent[-1][1] is None:
             raise MetadataError(f"{self.source}: a STACK_GLOBAL whose module or name is not a plain "
                                 f"string; the file is not DCP metadata")
-        return self.out.pop().literal
+        start, literal, _ = self.recent.pop()
+        del self.out[start:]
+        return literal
 
 
 def downgrade_pickle(data: bytes, *, source: str = "pickle") -> bytes:
     """``data`` (a pickle of any protocol) as equivalent protocol-2 opcodes, or :class:`MetadataError`.
 
     Parses only; builds nothing. The result still holds every global the
-    input named: the caller's unpickler decides which it admits.
+    input named: the caller's unpickler decides which it admits. Streams:
+    memory is about the output's size, and at most ``knobs.DCP_MAX_METADATA_OPS``
+    opcodes are read.
     """
     try:
         return _Translator(source, data).run()
+    except MetadataError:
+        raise
     except (ValueError, struct.error, UnicodeError) as e:
         raise MetadataError(f"{source} is not a readable pickle ({e}); the file is corrupt or cut short") from e
