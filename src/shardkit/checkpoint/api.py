@@ -36,7 +36,8 @@ import weakref
 
 import torch.distributed as dist
 
-from shardkit.checkpoint.async_save import CheckpointFuture, _dedicated_gloo_group
+from shardkit.checkpoint.async_save import _dedicated_gloo_group
+from shardkit.checkpoint.future import CheckpointFuture
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.dtensor_layout import local_box, outside_mesh
 from shardkit.checkpoint.group import resolve_group
