@@ -46,6 +46,15 @@ def test_read_ahead_out_of_order_and_too_large_items_are_read_when_asked(monkeyp
     assert all(name == threading.current_thread().name for i, name in log if i == 1)
 
 
+def test_read_ahead_out_of_host_memory_is_a_typed_error_naming_the_tensor():
+    from shardkit.errors import CheckpointIOError
+
+    with ReadAhead([("huge", torch.float32, (10**12,), lambda out: None)]) as ahead:
+        with pytest.raises(CheckpointIOError, match=r"out of host memory: a tensor of shape \[1000000000000\]") as e:
+            ahead.take("huge")
+    assert e.value.errno == 12
+
+
 @pytest.mark.parametrize("ahead_bytes", [0, 1 << 30])
 def test_reshard_equals_the_source_with_and_without_read_ahead(tmp_path, monkeypatch, ahead_bytes):
     monkeypatch.setattr(knobs, "OFFLINE_READ_AHEAD_MAX_BYTES", ahead_bytes)

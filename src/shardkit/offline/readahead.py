@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,7 @@ import torch
 
 from shardkit import knobs
 from shardkit.dtypes import itemsize_bytes
+from shardkit.errors import CheckpointIOError
 from shardkit.storage import LazyTensor
 
 __all__ = ["ReadAhead"]
@@ -88,7 +90,7 @@ class ReadAhead:
         buf = self._slots[slot]
         if buf is None or buf.numel() < nbytes:
             self._slots[slot] = None  # let the old one go before the new one is faulted in
-            buf = self._slots[slot] = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            buf = self._slots[slot] = _allocate(nbytes, dtype, shape)
             log.debug("read-ahead buffer %d: %d bytes", slot, nbytes)
         return buf[:nbytes].view(dtype).view(shape)
 
@@ -106,3 +108,19 @@ class ReadAhead:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _allocate(nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``nbytes`` of host memory; out of memory is a ``CheckpointIOError`` (``ENOMEM``), not torch's
+    bare ``RuntimeError``: a tensor too large for this machine, or metadata that claims one."""
+    try:
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    except (RuntimeError, MemoryError) as e:
+        if "alloc" not in str(e).lower() and not isinstance(e, MemoryError):
+            raise
+        raise CheckpointIOError(
+            f"out of host memory: a tensor of shape {list(shape)} ({dtype}) needs {nbytes} bytes, which this "
+            f"machine could not allocate. Free memory or run on a larger machine; if the checkpoint cannot "
+            f"hold a tensor that large, its metadata is corrupt: run `shardkit validate` on it",
+            errno.ENOMEM, "out of host memory") from e
+
