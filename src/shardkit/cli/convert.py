@@ -24,8 +24,7 @@ import argparse
 
 from shardkit.cli._tools import add_common, guarded, progress_bar
 from shardkit.cli.json_out import json_text
-from shardkit.cli.target import (_DCP_NAME, _DISTRIBUTED_NAME, _HF_NAMES, DCP, DISTRIBUTED, HF, InputError,
-                                 checkpoint_kind)
+from shardkit.cli.target import InputError, check_from, checkpoint_kind
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32",
           "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -66,7 +65,7 @@ def run(args) -> int:
     # a missing path or not a checkpoint is bad input (2), not a bad checkpoint
     local_kind = checkpoint_kind(args.src) if "://" not in args.src else None
     if args.from_kind and local_kind and args.from_kind != local_kind:
-        _check_from(args.src, args.from_kind, local_kind)
+        check_from(args.src, args.from_kind, local_kind)
     kind = args.from_kind or local_kind or detect_kind(args.src)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     with open_source(args.src, kind) as src:
@@ -103,33 +102,3 @@ def _max_shard_bytes(value: str) -> int:
     if nbytes < 1:
         raise InputError(f"--max-shard-size {value!r} is {nbytes} bytes; give a positive size such as 5GB or 500MB")
     return nbytes
-
-
-#: What each --from needs in SRC, by the names ``checkpoint_kind`` tells the formats apart by.
-_FROM_FILES = {
-    DISTRIBUTED: (f"{_DISTRIBUTED_NAME} or rank_*.safetensors",
-                  lambda n: n == _DISTRIBUTED_NAME or n.startswith("rank_")),
-    HF: (" or ".join(_HF_NAMES), lambda n: n in _HF_NAMES),
-    DCP: (f"{_DCP_NAME} or *.distcp", lambda n: n == _DCP_NAME or n.endswith(".distcp")),
-}
-
-
-def _check_from(src: str, from_kind: str, found_kind: str) -> None:
-    """``InputError`` (exit 2) when SRC, detected as ``found_kind``, holds none of ``from_kind``'s files.
-
-    A directory holding two formats (a DCP save beside ``model.safetensors``) is detected as one of them;
-    ``--from`` then picks the other, so only a format with no file of its own there is refused.
-    """
-    import os
-
-    local = src
-    if src[:5].lower() == "file:":
-        from shardkit.storage.backend import file_url_path  # as checkpoint_kind reads it
-
-        local = file_url_path(src)
-    what, is_its_file = _FROM_FILES[from_kind]
-    if any(is_its_file(n) for n in os.listdir(local)):
-        return
-    names = {DISTRIBUTED: "shardkit distributed", HF: "Hugging Face", DCP: "PyTorch DCP"}
-    raise InputError(f"{src} holds a {names[found_kind]} checkpoint, not a {names[from_kind]} one (it has no "
-                     f"{what}); pass --from {found_kind}, or leave --from out to detect it")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import stat
 
-__all__ = ["InputError", "checkpoint_kind", "DISTRIBUTED", "HF", "DCP"]
+__all__ = ["InputError", "checkpoint_kind", "check_from", "DISTRIBUTED", "HF", "DCP"]
 
 DISTRIBUTED = "distributed"
 HF = "hf"
@@ -44,14 +44,9 @@ def checkpoint_kind(path: str) -> str:
 
     Local checks use only ``os`` calls (no torch import), so bad input fails fast.
     """
-    if path[:5].lower() == "file:":
-        from shardkit.storage.backend import file_url_path  # storage_for's own reading of it (imports torch)
-
-        local = file_url_path(path)
-    elif "://" in path:
+    if "://" in path and path[:5].lower() != "file:":
         return _remote_kind(path)
-    else:
-        local = path
+    local = _local_path(path)
     if not os.path.exists(local):
         raise InputError(f"{path} does not exist; pass a checkpoint directory")
     if not os.path.isdir(local):
@@ -113,3 +108,36 @@ def _remote_kind(path: str) -> str:
         return detect_kind(path)
     except MetadataError:
         return DISTRIBUTED
+
+
+def _local_path(path: str) -> str:
+    """``path``, or the local path a ``file:`` URL names."""
+    if path[:5].lower() != "file:":
+        return path
+    from shardkit.storage.backend import file_url_path  # storage_for's own reading of it (imports torch)
+
+    return file_url_path(path)
+
+
+#: What each kind needs in a directory, by the names ``checkpoint_kind`` tells the formats apart by.
+_KIND_FILES = {
+    DISTRIBUTED: (f"{_DISTRIBUTED_NAME} or rank_*.safetensors",
+                  lambda n: n == _DISTRIBUTED_NAME or n.startswith("rank_")),
+    HF: (" or ".join(_HF_NAMES), lambda n: n in _HF_NAMES),
+    DCP: (f"{_DCP_NAME} or *.distcp", lambda n: n == _DCP_NAME or n.endswith(".distcp")),
+}
+_KIND_NAMES = {DISTRIBUTED: "shardkit distributed", HF: "Hugging Face", DCP: "PyTorch DCP"}
+
+
+def check_from(src: str, from_kind: str, found_kind: str) -> None:
+    """``InputError`` (exit 2) when the local directory ``src``, detected as ``found_kind``, holds none of
+    ``from_kind``'s files.
+
+    A directory holding two formats (a DCP save beside ``model.safetensors``) is detected as one of them;
+    ``--from`` then picks the other, so only a format with no file of its own there is refused.
+    """
+    what, is_its_file = _KIND_FILES[from_kind]
+    if any(is_its_file(n) for n in os.listdir(_local_path(src))):
+        return
+    raise InputError(f"{src} holds a {_KIND_NAMES[found_kind]} checkpoint, not a {_KIND_NAMES[from_kind]} one "
+                     f"(it has no {what}); pass --from {found_kind}, or leave --from out to detect it")

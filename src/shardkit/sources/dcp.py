@@ -229,8 +229,12 @@ class DcpCheckpoint:
                                     f"the DCP checkpoint is incomplete")
         return self.storage.open_reader(path)
 
+    @staticmethod
+    def _in_file(chunk: DcpChunk, reader: Reader) -> bool:
+        return 0 <= chunk.offset and 0 <= chunk.length and chunk.offset + chunk.length <= reader.size_bytes
+
     def _check_in_file(self, chunk: DcpChunk, reader: Reader, what: str) -> None:
-        if chunk.offset < 0 or chunk.length < 0 or chunk.offset + chunk.length > reader.size_bytes:
+        if not self._in_file(chunk, reader):
             raise IncompleteCheckpointError(
                 f"{self.directory}/{chunk.file_name} is {reader.size_bytes} bytes, but {what} is recorded at "
                 f"{chunk.offset}..{chunk.offset + chunk.length}: the file is truncated")
@@ -323,7 +327,7 @@ class DcpCheckpoint:
         if dst.numel() == 0:
             return True
         with self._files.use(chunk.file_name) as reader:
-            if chunk.offset < 0 or chunk.length < 0 or chunk.offset + chunk.length > reader.size_bytes:
+            if not self._in_file(chunk, reader):
                 return False  # _load_record explains it
             if chunk not in self._spans:
                 self._spans[chunk] = tensor_data_span(_RecordView(reader, chunk.offset, chunk.length),
