@@ -139,27 +139,36 @@ DIRECT_IO_QUEUE_DEPTH: int = 4
 #: there in Python calls) (``Reader.read_into_hashed``, ``memcopy.copy_and_hash``).
 HASH_SLICE_BYTES: int = 4 * 1024 * 1024
 
-#: Whether checkpoint loads that copy hash every checksum block they read and
-#: compare it with the saved record (``verify=None`` in ``shardkit.checkpoint``
-#: loads means this value). On by default: each block is hashed while its
-#: bytes are hot, in the same pass as the copy (``memcopy.copy_and_hash``: one
-#: C loop with the extension's hasher, each 64-byte stripe loaded once for
+#: Whether checkpoint loads hash every checksum block whose bytes they return
+#: and compare it with the saved record (``verify=None`` in
+#: ``shardkit.checkpoint`` loads means this value). On by default, for every
+#: load of shardkit's own format. A load that copies hashes each block while
+#: its bytes are hot, in the same pass as the copy (``memcopy.copy_and_hash``:
+#: one C loop with the extension's hasher, each 64-byte stripe loaded once for
 #: both with AVX2). 1 GiB, warm cache, 2-core box, at least 11 interleaved
 #: runs each: a load into fresh memory took 0.90-1.13x the unverified one's
 #: time (median 1.05x over 20 runs), an in-place (``out=``) load, where no
 #: page fault hides the hash, 1.03-1.12x (copy, then hash each 256 KiB
-#: stride: 1.15-1.32x; each 4 MiB slice in a second call: 1.38x). Outputs
-#: mapped zero-copy (``MAP_LOADS``) are not hashed unless ``verify=True``,
-#: nor are object-store blocks a rank needs only part of (hashing one would
-#: download the rest); ``validate_distributed`` always re-hashes every byte.
+#: stride: 1.15-1.32x; each 4 MiB slice in a second call: 1.38x). A load that
+#: maps (``MAP_LOADS``) hashes the whole blocks its maps lie in, from the
+#: mapped pages, on the I/O threads, before it returns
+#: (``storage.tensor_io.map_verified``). From object stores, a block a rank
+#: needs only part of is downloaded whole to be hashed while the load's
+#: ``VERIFY_EXTRA_READ_FRACTION`` allowance lasts, else read unverified;
+#: ``validate_distributed`` always re-hashes every byte.
 VERIFY_ON_LOAD: bool = True
 
-#: Distributed loads (``load_distributed``, ``reshard``, ``load_consolidated``)
-#: that allocate their outputs return, for a tensor whose whole output is one
-#: contiguous byte range of one local file, a tensor over a private
-#: (copy-on-write) map of that range instead of a copy, unless called with
-#: ``verify=True``. Mapped tensors are not hashed (``validate_distributed``
-#: is their check). False: always copy.
+#: From object stores, the bytes a verified load may download beyond those it
+#: wants, as a fraction of them, to verify blocks it reads only in part (0.1:
+#: at most 1.1x the rank's bytes). 0: never download more than wanted.
+VERIFY_EXTRA_READ_FRACTION: float = 0.1
+
+#: Distributed loads (``load_distributed``, ``reshard``, ``load_consolidated``,
+#: ``load_region``) that allocate their outputs return, for a tensor whose
+#: whole output is one contiguous byte range of one local file, a tensor over
+#: a private (copy-on-write) map of that range instead of a copy, unless
+#: called with ``verify=True`` (private copies). Mapped tensors are verified
+#: like copies (``VERIFY_ON_LOAD``). False: always copy.
 MAP_LOADS: bool = True
 
 #: ``load_distributed(out=...)`` reads a GPU or non-contiguous ``out`` tensor

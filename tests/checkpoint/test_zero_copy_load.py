@@ -88,13 +88,17 @@ def test_opt_out_copies(tmp_path, monkeypatch, how):
     assert not calls and bits_equal(got["w"], full["w"])
 
 
-def test_mapped_load_skips_the_hash_and_validate_catches_the_flip(tmp_path, monkeypatch):
+def test_mapped_load_hashes_its_blocks_and_verify_false_skips_it(tmp_path, monkeypatch):
     # Small blocks: the header's own blocks (always verified) do not reach the flipped byte.
     monkeypatch.setattr(knobs, "CHECKSUM_BLOCK_BYTES", 64)
     full = _state()
     save_full(full, tmp_path, 1, {})
     _flip_last_byte(tmp_path)
-    load_distributed(str(tmp_path), 0, 1)  # zero-copy: documented not to hash
+    calls = _count_maps(monkeypatch)
+    with pytest.raises(ChecksumError, match="do not match their checksum"):
+        load_distributed(str(tmp_path), 0, 1)  # zero-copy, verified before it returns
+    assert calls
+    load_distributed(str(tmp_path), 0, 1, verify=False)  # asked not to hash
     assert not validate_distributed(str(tmp_path)).ok
     with pytest.raises(ChecksumError):
         load_distributed(str(tmp_path), 0, 1, verify=True)

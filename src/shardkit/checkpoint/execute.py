@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 from typing import Callable, Mapping
@@ -41,6 +42,7 @@ from shardkit.storage import (
 )
 from shardkit.storage.destinations import check_disjoint
 from shardkit.storage.prefault import populate_for_write
+from shardkit.storage.tensor_io import ExtraReads, holds_of, map_verified
 
 __all__ = ["OpenFiles", "run_loads", "check_chunks", "check_plans", "saved_dtype", "scratch_elems_of"]
 
@@ -54,7 +56,7 @@ class OpenFiles:
     def __init__(self, storage: Storage, directory: str, records: dict[str, FileRecord], *, verify: bool,
                  may_map: bool = False):
         self.storage, self.directory, self.records, self.verify = storage, directory, records, verify
-        self.may_map = may_map  # run_loads may return outputs over maps of the files (see _mapped_output)
+        self.may_map = may_map  # run_loads may return outputs over maps of the files (see _mapped_outputs)
         self._open: dict[str, tuple[Reader, SafetensorsHeader]] = {}
         self._lock = threading.Lock()
 
@@ -62,8 +64,9 @@ class OpenFiles:
     def for_load(cls, storage: Storage, directory: str, m: Manifest, verify: bool | None) -> "OpenFiles":
         """The data files of checkpoint ``m``, checked against its records; ``verify=None`` means ``knobs.VERIFY_ON_LOAD``.
 
-        Outputs may be mapped (zero-copy, unverified) unless ``verify`` is True
-        (explicitly asked for: every byte is then read and hashed).
+        Outputs may be mapped (zero-copy; verified like copies when ``verify``
+        resolves to True) unless ``verify`` is True (explicitly asked for:
+        private copies, every byte read and hashed).
         """
         may_map = verify is not True and knobs.MAP_LOADS
         verify = knobs.VERIFY_ON_LOAD if verify is None else bool(verify)
@@ -133,9 +136,9 @@ def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str
     check_plans(files, plans, dtype_of)  # headers first: nothing is allocated for a shape no file holds
     given = outputs or {}
     check_disjoint({p.name: given[p.name] for p in plans if p.name in given}, "outputs")
-    mapped = {p.name: t for p in plans if p.name not in given
-              for t in [_mapped_output(files, p, dtype_of(p.name))] if t is not None}
+    mapped = _mapped_outputs(files, [p for p in plans if p.name not in given], dtype_of)
     plans = [p for p in plans if p.name not in mapped]
+    extra = ExtraReads.for_load(sum(math.prod(p.out_shape) * dtype_of(p.name).itemsize for p in plans))
     outputs = {**mapped, **{p.name: _output(p, dtype_of(p.name), given) for p in plans}}
     _prefault([outputs[p.name] for p in plans if p.name not in given])
     jobs: list[Callable[[], None]] = []
@@ -151,42 +154,54 @@ def run_loads(files: OpenFiles, plans: list[TensorLoad], dtype_of: Callable[[str
                     direct.setdefault(chunk.file, []).append((entry_begin + piece.src_start * itemsize, view))
             scattered = [p for p in chunk.pieces if not p.direct]
             if scattered:
-                jobs.append(lambda f=chunk.file, b=entry_begin, ps=scattered, o=out: _read_scattered(files, f, b, ps, o))
+                jobs.append(lambda f=chunk.file, b=entry_begin, ps=scattered, o=out:
+                            _read_scattered(files, f, b, ps, o, extra))
     for file, reads in direct.items():
         for batch in _batches(reads, _window_bytes(files.get(file)[2])):
-            jobs.append(lambda f=file, rs=batch: _read_direct(files, f, rs))
+            jobs.append(lambda f=file, rs=batch: _read_direct(files, f, rs, extra))
     run_parallel(jobs)
     return outputs
 
 
-def _mapped_output(files: OpenFiles, plan: TensorLoad, dtype: torch.dtype) -> torch.Tensor | None:
-    """The output over a private (copy-on-write) map of the file, when that is a zero-copy load.
+def _mapped_outputs(files: OpenFiles, plans: list[TensorLoad],
+                    dtype_of: Callable[[str], torch.dtype]) -> dict[str, torch.Tensor]:
+    """The outputs that are zero-copy loads, over private (copy-on-write) maps of the files, verified.
 
-    Only when the whole output is ONE contiguous byte range of one local file
-    (the same-world-size load, a replicated tensor, a ``Shard(0)`` chunk),
-    and the load was not asked to verify (``files.may_map``: ``verify=True``
-    reads and hashes every byte, so it copies). Such a tensor is not hashed
-    (``validate_distributed`` is the check); nothing is read here, pages come
-    from the page cache when touched, writes stay private. None otherwise:
-    the caller allocates and reads.
+    Only where a plan's whole output is ONE contiguous byte range of one
+    local file (the same-world-size load, a replicated tensor, a
+    ``Shard(0)`` chunk) and the load may map (``files.may_map``). With
+    ``files.verify``, every checksum block those ranges lie in is hashed from
+    the maps before this returns (``storage.tensor_io.map_verified``: a
+    corrupt byte raises ``ChecksumError``); nothing is copied, pages come
+    from the page cache, writes stay private. The others are left out: the
+    caller allocates and reads them.
     """
-    if not files.may_map or len(plan.reads) != 1 or len(plan.reads[0].pieces) != 1:
+    by_file: dict[str, list[tuple[TensorLoad, tuple[int, int]]]] = {}  # file -> (plan, (offset, nbytes))
+    for plan in plans if files.may_map else []:
+        found = _mapped_span(files, plan, dtype_of(plan.name))
+        if found is not None:
+            by_file.setdefault(found[0], []).append((plan, found[1]))
+    outputs = {}
+    for file, wanted in by_file.items():
+        reader, header, record = files.get(file)
+        views = map_verified(reader, [span for _, span in wanted], record, holds=holds_of(header))
+        for (plan, _), view in zip(wanted, views):
+            if view is not None:
+                tensor = torch.frombuffer(view, dtype=dtype_of(plan.name), count=math.prod(plan.out_shape))
+                outputs[plan.name] = tensor.view(plan.out_shape)
+    return outputs
+
+
+def _mapped_span(files: OpenFiles, plan: TensorLoad, dtype: torch.dtype) -> tuple[str, tuple[int, int]] | None:
+    """``(file, (offset, nbytes))`` when ``plan``'s whole output is one contiguous, aligned byte range of one file."""
+    if len(plan.reads) != 1 or len(plan.reads[0].pieces) != 1:
         return None
     chunk, piece = plan.reads[0], plan.reads[0].pieces[0]
-    numel = 1
-    for size in plan.out_shape:
-        numel *= size
+    numel = math.prod(plan.out_shape)
     if not piece.direct or piece.dst_start != 0 or piece.src_numel != numel or numel == 0:
         return None
-    reader, header, _ = files.get(chunk.file)
-    itemsize = dtype.itemsize
-    offset = header.tensors[plan.name].begin + piece.src_start * itemsize
-    if offset % itemsize:
-        return None
-    view = reader.map_range(offset, numel * itemsize)
-    if view is None:
-        return None
-    return torch.frombuffer(view, dtype=dtype, count=numel).view(plan.out_shape)
+    offset = files.get(chunk.file)[1].tensors[plan.name].begin + piece.src_start * dtype.itemsize
+    return None if offset % dtype.itemsize else (chunk.file, (offset, numel * dtype.itemsize))
 
 
 def _prefault(fresh: list[torch.Tensor]) -> None:
@@ -310,19 +325,21 @@ def _batches(reads: list[tuple[int, memoryview]], window_bytes: int):
     return [windows[w] for w in sorted(windows)]
 
 
-def _read_direct(files: OpenFiles, file: str, reads: list[tuple[int, memoryview]]) -> None:
-    reader, _, record = files.get(file)
-    read_ranges(reader, reads, record)
+def _read_direct(files: OpenFiles, file: str, reads: list[tuple[int, memoryview]], extra: ExtraReads) -> None:
+    reader, header, record = files.get(file)
+    read_ranges(reader, reads, record, holds=holds_of(header), extra=extra)
 
 
-def _read_scattered(files: OpenFiles, file: str, entry_begin: int, pieces, out: torch.Tensor) -> None:
-    reader, _, record = files.get(file)
+def _read_scattered(files: OpenFiles, file: str, entry_begin: int, pieces, out: torch.Tensor,
+                    extra: ExtraReads) -> None:
+    reader, header, record = files.get(file)
     itemsize = out.element_size()
     # One scratch buffer per job, reused: fewer allocations for the allocator to hold on to.
     buffer = torch.empty(max(p.src_numel for p in pieces), dtype=out.dtype)
     for piece in pieces:
         scratch = buffer[: piece.src_numel]
-        read_ranges(reader, [(entry_begin + piece.src_start * itemsize, byte_view(scratch))], record)
+        read_ranges(reader, [(entry_begin + piece.src_start * itemsize, byte_view(scratch))], record,
+                    holds=holds_of(header), extra=extra)
         target = out.as_strided(piece.sizes, piece.dst_strides, out.storage_offset() + piece.dst_start)
         target.copy_(scratch.as_strided(piece.sizes, piece.src_strides, 0))
 

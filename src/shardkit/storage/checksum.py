@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import xxhash
 
@@ -33,6 +34,9 @@ except ImportError:  # built without a C compiler: the xxhash package's hasher
 __all__ = ["ALGORITHM", "FileRecord", "BlockHasher", "block_digest", "combine_block_digests", "new_block_hasher"]
 
 ALGORITHM = "xxh3_64_blocks"
+
+#: ``holds(start, stop)``: what a file's bytes ``start..stop`` hold, for an error message ("tensor 'w'").
+Holds = Optional[Callable[[int, int], str]]
 
 
 def _check_digest(value: object, what: str) -> None:
@@ -115,18 +119,43 @@ class FileRecord:
             _check_digest(digest, f"{what}: block_checksums[{index}]")
         return cls(size, checksum, block_bytes, raw_blocks)
 
-    def verify_block(self, index: int, data, *, file_name: str) -> None:
+    def verify_block(self, index: int, data, *, file_name: str, holds: Holds = None) -> None:
         """Raise :class:`ChecksumError` unless ``data`` is block ``index`` as saved."""
-        self.verify_digest(index, block_digest(data), len(data), file_name=file_name)
+        self.verify_digest(index, block_digest(data), len(data), file_name=file_name, holds=holds)
 
-    def verify_digest(self, index: int, found: str, length: int, *, file_name: str) -> None:
-        """Raise :class:`ChecksumError` unless ``found`` is the saved digest of block ``index`` (``length`` bytes)."""
+    def verify_views(self, index: int, views, *, file_name: str, holds: Holds = None) -> None:
+        """Hash ``views`` (block ``index``'s bytes, in file order) and raise :class:`ChecksumError` unless they
+        are that block as saved: the one check every verified read ends in, copied or mapped.
+
+        Hashed with :func:`new_block_hasher` (the extension releases the GIL
+        for updates of 64 KiB and more, so threads hash blocks in parallel).
+
+        >>> record.verify_views(3, [memoryview(mapped)[3 * bb:4 * bb]], file_name="rank_0.safetensors")
+        """
+        hasher = new_block_hasher()
+        length = 0
+        for view in views:
+            hasher.update(view)
+            length += len(view)
+        self.verify_digest(index, hasher.hexdigest(), length, file_name=file_name, holds=holds)
+
+    def verify_digest(self, index: int, found: str, length: int, *, file_name: str, holds: Holds = None) -> None:
+        """Raise :class:`ChecksumError` unless ``found`` is the saved digest of block ``index`` (``length`` bytes).
+
+        The message names the file, the block, its byte range, what those
+        bytes hold (``holds(start, stop)``, called only on a mismatch, e.g.
+        ``"tensor 'w'"``; None: not named) and how to go on.
+        """
         if found != self.block_checksums[index]:
             start = index * self.block_bytes
+            held = holds(start, start + length) if holds is not None else ""
+            what = f"block {index}, {held}" if held else f"block {index}"
+            directory = file_name.rsplit("/", 1)[0] if "/" in file_name else "."
             raise ChecksumError(
-                f"{file_name}: bytes {start}..{start + length} do not match their checksum "
-                f"(expected {self.block_checksums[index]}, found {found}); the file is corrupt. "
-                f"Restore it from a copy, or load an earlier checkpoint."
+                f"{file_name}: bytes {start}..{start + length} ({what}) do not match their checksum "
+                f"(expected {self.block_checksums[index]}, found {found}); the file is corrupt. Run `shardkit "
+                f"validate {directory}` to list every damaged file, then restore it from a copy or load an "
+                f"earlier checkpoint."
             )
 
 

@@ -1,27 +1,38 @@
-"""Tensor bytes from safetensors files into caller-owned memory, verified by block.
+"""Tensor bytes from safetensors files into caller-owned memory or private maps, verified by block.
 
-Reading fills caller-owned buffers at given file offsets, verifying the
-blocks those reads touch when a :class:`FileRecord` is given. This module
-moves bytes; it does not decide which bytes a rank needs (that is the
-checkpoint planner's job). Writing is in ``writer.py``.
+:func:`read_ranges` fills caller-owned buffers at given file offsets;
+:func:`map_verified` returns private (copy-on-write) maps of byte ranges of
+a local file. Both verify every checksum block the bytes they return lie in
+when a :class:`FileRecord` is given, through one check
+(``FileRecord.verify_views`` / ``verify_digest``). This module moves bytes;
+it does not decide which bytes a rank needs (that is the checkpoint
+planner's job). Writing is in ``writer.py``.
 
 Example::
 
     with store.open_reader(path) as r:
         header = read_header(r)
         out = torch.empty(header.tensors["w"].shape, dtype=w.dtype)
-        read_ranges(r, [(header.tensors["w"].begin, byte_view(out))], record)
+        read_ranges(r, [(header.tensors["w"].begin, byte_view(out))], record, holds=holds_of(header))
+        [w_bytes] = map_verified(r, [(header.tensors["w"].begin, out.nbytes)], record)
 """
 
 from __future__ import annotations
+
+import functools
+import threading
 
 import torch
 
 from shardkit import knobs
 from shardkit.storage.backend import Reader
-from shardkit.storage.checksum import FileRecord, new_block_hasher
+from shardkit.storage.checksum import FileRecord, Holds, new_block_hasher
+from shardkit.storage.parallel import run_parallel
 
-__all__ = ["byte_view", "read_ranges"]
+__all__ = ["ExtraReads", "byte_view", "holds_of", "map_verified", "read_ranges"]
+
+#: Blocks a mapped load hashes are handed to the I/O threads in jobs of about this many bytes.
+_HASH_JOB_BYTES = 64 * 1024 * 1024
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -33,7 +44,8 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: FileRecord | None = None) -> None:
+def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: FileRecord | None = None, *,
+                holds: Holds = None, extra: "ExtraReads | None" = None) -> None:
     """Fill each ``(file_offset, buffer)`` in ``reads`` from the file.
 
     With ``record``, every checksum block that a read touches is verified
@@ -69,10 +81,82 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
         reader.check_inside(offset, len(buf))
     reads.sort(key=lambda r: r[0])
     if not reader.extra_reads_are_cheap:
-        _read_remote_verified(reader, record, reads)
+        _read_remote_verified(reader, record, reads, holds, extra)
         return
     for block, start, stop, active in _blocks_with_reads(reads, record):
-        _read_block(reader, record, block, start, stop, active)
+        _read_block(reader, record, block, start, stop, active, holds)
+
+
+def map_verified(reader: Reader, spans: list[tuple[int, int]], record: FileRecord | None, *,
+                 holds: Holds = None) -> list[memoryview | None]:
+    """Each ``(file_offset, nbytes)`` of ``spans`` as a private (copy-on-write) map of the file, verified first.
+
+    One view per span (``Reader.map_range``: nothing copied, pages shared
+    with the page cache until written, writes never reach the file), or None
+    where the reader cannot map it (the caller reads it instead). With
+    ``record``, each span is mapped out to the edges of the checksum blocks
+    it lies in, and every such block is hashed from the mapped bytes
+    themselves -- each block once however many spans share it, the blocks
+    spread over the I/O threads (``run_parallel``) -- before this returns: a
+    corrupt byte raises :class:`~shardkit.errors.ChecksumError` and no view
+    is returned, so a caller never holds a mapped byte that was not verified.
+    The hash is also the pages' first touch (what the caller's first touch
+    would have paid). What it does not cover: a file changed in place after
+    this returns shows through the maps, as it does through any map
+    (shardkit's saves replace files by rename, never in place). Without
+    ``record`` it only maps.
+
+    >>> [w] = map_verified(reader, [(entry.begin, entry.nbytes)], record)
+    """
+    if record is None:
+        return [reader.map_range(offset, nbytes) for offset, nbytes in spans]
+    _check_size(reader, record)
+    views: list[memoryview | None] = []
+    maps: list[tuple[int, memoryview]] = []  # (first block, a map of whole blocks from there)
+    for offset, nbytes in spans:
+        reader.check_inside(offset, nbytes)
+        lo = offset - offset % record.block_bytes
+        hi = min(record.bytes, -(-(offset + nbytes) // record.block_bytes) * record.block_bytes)
+        whole = reader.map_range(lo, hi - lo) if nbytes > 0 else None
+        views.append(None if whole is None else whole[offset - lo:offset - lo + nbytes])
+        if whole is not None:
+            maps.append((lo // record.block_bytes, whole))
+    run_parallel(_block_hash_jobs(reader.name, record, maps, holds))
+    return views
+
+
+def _block_hash_jobs(file_name: str, record: FileRecord, maps: list[tuple[int, memoryview]], holds: Holds) -> list:
+    """Jobs that verify every block the ``maps`` hold, each block once (from the first map holding it),
+    in runs of about ``_HASH_JOB_BYTES``."""
+    bb, jobs, next_block = record.block_bytes, [], 0
+    for first, whole in sorted(maps, key=lambda m: m[0]):
+        end = first + -(-len(whole) // bb)
+        step = max(1, _HASH_JOB_BYTES // bb)
+        for lo in range(max(first, next_block), end, step):
+            jobs.append(functools.partial(_verify_mapped_blocks, record, file_name, holds, first, whole,
+                                          range(lo, min(end, lo + step))))
+        next_block = max(next_block, end)
+    return jobs
+
+
+def _verify_mapped_blocks(record: FileRecord, file_name: str, holds: Holds, first: int, whole: memoryview,
+                          blocks: range) -> None:
+    bb = record.block_bytes
+    for b in blocks:
+        record.verify_views(b, [whole[(b - first) * bb:(b - first + 1) * bb]], file_name=file_name, holds=holds)
+
+
+def holds_of(header) -> Holds:
+    """A ``holds`` for :func:`read_ranges` / :func:`map_verified` errors: the tensors of ``header`` (a
+    ``SafetensorsHeader``) whose bytes a range overlaps, and the header itself where it does."""
+    def holds(start: int, stop: int) -> str:
+        names = [name for name, entry in header.tensors.items() if entry.begin < stop and entry.end > start]
+        parts = ["the file's header"] if start < header.data_start else []
+        if names:
+            shown = ", ".join(repr(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            parts.append(f"tensor{'s' if len(names) > 1 else ''} {shown}")
+        return " and ".join(parts)
+    return holds
 
 
 def _blocks_with_reads(reads: list[tuple[int, memoryview]], record: FileRecord):
@@ -89,7 +173,8 @@ def _blocks_with_reads(reads: list[tuple[int, memoryview]], record: FileRecord):
         yield block, start, stop, active
 
 
-def _read_remote_verified(reader: Reader, record: FileRecord, reads: list[tuple[int, memoryview]]) -> None:
+def _read_remote_verified(reader: Reader, record: FileRecord, reads: list[tuple[int, memoryview]], holds: Holds,
+                          extra: "ExtraReads | None") -> None:
     """Verified reads where every byte fetched is a download (``read_ranges``' rules, fewer requests).
 
     Consecutive blocks that the reads tile exactly (no gap, no overlap) are
@@ -97,8 +182,9 @@ def _read_remote_verified(reader: Reader, record: FileRecord, reads: list[tuple[
     OBJECT_PARTS_IN_FLIGHT`` bytes, its parts in flight at once as an
     unverified read's are; each block is hashed from the buffers once that
     stretch has arrived (a download costs far more than this second pass over
-    memory just written). A block covered only in part is read unverified; a
-    block two reads overlap in is read on its own.
+    memory just written). A block covered only in part is fetched whole and
+    verified while ``extra`` allows (:func:`_fetch_block_verified`), else read
+    unverified; a block two reads overlap in is read on its own.
     """
     stretch_bytes = max(record.block_bytes, knobs.OBJECT_PART_BYTES * max(1, knobs.OBJECT_PARTS_IN_FLIGHT))
     stretch: list[tuple[int, int, list[memoryview]]] = []  # (block, start, its views), consecutive blocks
@@ -107,16 +193,18 @@ def _read_remote_verified(reader: Reader, record: FileRecord, reads: list[tuple[
         joins = (views is not None and stretch and stretch[-1][0] == block - 1
                  and stop - stretch[0][1] <= stretch_bytes)
         if stretch and not joins:
-            _fetch_and_verify(reader, record, stretch)
+            _fetch_and_verify(reader, record, stretch, holds)
             stretch = []
         if views is not None:
             stretch.append((block, start, views))
         elif _covered(active, start, stop):
-            _read_block(reader, record, block, start, stop, active)
+            _read_block(reader, record, block, start, stop, active, holds)
+        elif extra is not None and extra.take(stop - start - _wanted_in(active, start, stop)):
+            _fetch_block_verified(reader, record, block, start, stop, active, holds)
         else:
             _read_unverified(reader, start, stop, active)
     if stretch:
-        _fetch_and_verify(reader, record, stretch)
+        _fetch_and_verify(reader, record, stretch, holds)
 
 
 def _tiling_views(active: list[tuple[int, memoryview]], start: int, stop: int) -> list[memoryview] | None:
@@ -127,14 +215,64 @@ def _tiling_views(active: list[tuple[int, memoryview]], start: int, stop: int) -
     return None
 
 
-def _fetch_and_verify(reader: Reader, record: FileRecord, stretch: list[tuple[int, int, list[memoryview]]]) -> None:
+def _fetch_and_verify(reader: Reader, record: FileRecord, stretch: list[tuple[int, int, list[memoryview]]],
+                      holds: Holds) -> None:
     """One gather read of consecutive tiled blocks, then each block's digest checked."""
     reader.read_into_views(stretch[0][1], [view for _, _, views in stretch for view in views])
     for block, _start, views in stretch:
-        hasher = new_block_hasher()
-        for view in views:
-            hasher.update(view)
-        record.verify_digest(block, hasher.hexdigest(), sum(len(v) for v in views), file_name=reader.name)
+        record.verify_views(block, views, file_name=reader.name, holds=holds)
+
+
+def _fetch_block_verified(reader: Reader, record: FileRecord, block: int, start: int, stop: int,
+                          active: list[tuple[int, memoryview]], holds: Holds) -> None:
+    """Download block ``[start, stop)`` whole in one request, verify it, then copy out the parts the reads want."""
+    scratch = memoryview(bytearray(stop - start))
+    reader.read_into(start, scratch)
+    record.verify_views(block, [scratch], file_name=reader.name, holds=holds)
+    for lo, view in _clipped(active, start, stop):
+        view[:] = scratch[lo - start:lo - start + len(view)]
+
+
+def _wanted_in(active: list[tuple[int, memoryview]], start: int, stop: int) -> int:
+    """How many bytes of ``[start, stop)`` the (offset-sorted) reads want, each byte once."""
+    wanted, position = 0, start
+    for lo, view in _clipped(active, start, stop):
+        hi = lo + len(view)
+        if hi > position:
+            wanted += hi - max(lo, position)
+            position = hi
+    return wanted
+
+
+class ExtraReads:
+    """A load's allowance of bytes to download beyond those it wants, spent verifying partly read blocks.
+
+    On an object store a block a rank reads only in part can be verified
+    only by downloading the rest of it. :meth:`for_load` allows
+    ``knobs.VERIFY_EXTRA_READ_FRACTION`` (0.1) of the bytes the load wants,
+    so a verified load downloads at most 1.1x its bytes; the blocks the
+    allowance does not reach are read unverified. Shared by the load's
+    threads (a lock); local files never spend it (their extra bytes are free).
+
+    >>> extra = ExtraReads.for_load(1 << 30); extra.take(8 << 20)
+    True
+    """
+
+    def __init__(self, nbytes: int):
+        self._left = max(0, int(nbytes))
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_load(cls, wanted_bytes: int) -> "ExtraReads":
+        return cls(int(wanted_bytes * max(0.0, knobs.VERIFY_EXTRA_READ_FRACTION)))
+
+    def take(self, nbytes: int) -> bool:
+        """Spend ``nbytes`` if that many are left (True), else spend nothing (False)."""
+        with self._lock:
+            if nbytes > self._left:
+                return False
+            self._left -= nbytes
+            return True
 
 
 def _covered(active: list[tuple[int, memoryview]], start: int, stop: int) -> bool:
@@ -207,7 +345,7 @@ def _check_size(reader: Reader, record: FileRecord) -> None:
 
 
 def _read_block(reader: Reader, record: FileRecord, block: int, start: int, stop: int,
-                active: list[tuple[int, memoryview]]) -> None:
+                active: list[tuple[int, memoryview]], holds: Holds = None) -> None:
     """Read the active reads' parts of one block, hashing the whole block as it goes, in file order.
 
     Covered bytes are read straight into their buffers (hashed slice by slice
@@ -231,4 +369,4 @@ def _read_block(reader: Reader, record: FileRecord, block: int, start: int, stop
             position = hi
     if position < stop:
         reader.hash_range(position, stop - position, hasher)
-    record.verify_digest(block, hasher.hexdigest(), stop - start, file_name=reader.name)
+    record.verify_digest(block, hasher.hexdigest(), stop - start, file_name=reader.name, holds=holds)
