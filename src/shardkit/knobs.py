@@ -29,6 +29,11 @@ MAX_SAFETENSORS_HEADER_BYTES: int = 100_000_000
 #: Largest index / metadata JSON file we agree to read.
 MAX_INDEX_BYTES: int = 10 * 1024 * 1024
 
+#: Largest ``bytes`` / ``bytearray`` plain leaf a save keeps in ``metadata.json``
+#: (as base64, 4/3 its size; the whole file must stay under ``MAX_INDEX_BYTES``).
+#: Past it the save is refused, naming the leaf: store such bytes as a uint8 tensor.
+MAX_BYTES_VALUE: int = 1 << 20
+
 # --- limits on untrusted files (metadata.json, rank manifests, safetensors headers) ---------
 # A file on disk may be damaged or hostile: these bound the work and memory that
 # parsing and planning may spend on it (see ``storage.json_io``).

@@ -30,13 +30,14 @@ from typing import Any
 
 from shardkit import knobs
 from shardkit.checkpoint.chunks import Chunk, chunks_to_json, parse_chunks
-from shardkit.checkpoint.nested import PLAIN_TYPES, check_structure
+from shardkit.checkpoint.nested import check_structure
 from shardkit.checkpoint.rank_state import is_rank_state_name
 from shardkit.checkpoint.spec import TensorShardSpec, check_spec
 from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes
-from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
+from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError, TensorMismatchError
 from shardkit.storage import FileRecord, Storage, check_relative_name, parse_json_object
 from shardkit.storage.json_io import expect_dict, expect_int, expect_list, expect_str, short_repr
+from shardkit.storage.plain_values import decode_value, encode_objects
 
 __all__ = [
     "FORMAT",
@@ -87,7 +88,12 @@ class SavedTensor:
 
 @dataclass
 class Manifest:
-    """The parsed ``metadata.json``; ``format_version`` is None for a seed-format directory."""
+    """The parsed ``metadata.json``; ``format_version`` is None for a seed-format directory.
+
+    ``objects`` holds the plain values themselves (``float("inf")``, ``b"..."``,
+    ``np.float32(1.5)``); :func:`manifest_to_json` encodes them for the file
+    and :func:`parse_manifest` decodes them (``storage.plain_values``).
+    """
 
     format_version: int | None
     num_ranks: int
@@ -112,7 +118,7 @@ def manifest_to_json(m: Manifest) -> dict:
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "num_ranks": m.num_ranks,
         "tensor_specs": specs, "files": {f: r.to_json() for f, r in sorted(m.files.items())},
-        "objects": m.objects, "structure": m.structure, "user_metadata": m.user_metadata,
+        "objects": encode_objects(m.objects), "structure": m.structure, "user_metadata": m.user_metadata,
         **({"save_id": m.save_id} if m.save_id else {}),
     }
 
@@ -123,16 +129,33 @@ def _chunked_to_json(m: Manifest) -> dict:
     return {
         "format": FORMAT, "format_version": CHUNKED_VERSION, "num_ranks": m.num_ranks,
         "tensor_specs": specs, "files": {f: r.to_json() for f, r in sorted(m.files.items())},
-        "objects": m.objects, "structure": m.structure, "user_metadata": m.user_metadata,
+        "objects": encode_objects(m.objects), "structure": m.structure, "user_metadata": m.user_metadata,
     }
 
 
 def write_json(storage: Storage, path: str, obj: Any) -> None:
-    """Publish ``obj`` as JSON at ``path`` atomically (invariant 1)."""
+    """Publish ``obj`` as JSON at ``path`` atomically (invariant 1).
+
+    Refuses (:class:`TensorMismatchError`, nothing written) a file larger than
+    the readers accept (``knobs.MAX_INDEX_BYTES``): it would be a checkpoint
+    that no load can open.
+    """
     # One line, default separators: the C encoder (indent= falls back to the pure-Python one, ~5x slower).
     data = json.dumps(obj, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    if len(data) > knobs.MAX_INDEX_BYTES:
+        _too_large(path, len(data), obj)
     with storage.atomic_writer(path) as f:
         f.write(data)
+
+
+def _too_large(path: str, size: int, obj: Any) -> None:
+    objects = obj.get("objects") if isinstance(obj, dict) else None
+    share = len(json.dumps(objects, ensure_ascii=False)) if objects else 0
+    raise TensorMismatchError(
+        f"{path} would be {size:,} bytes, more than readers accept ({knobs.MAX_INDEX_BYTES:,}, "
+        f"knobs.MAX_INDEX_BYTES); its plain values take {share:,} of them. Store large values as tensors (bytes "
+        f"as a uint8 tensor: torch.frombuffer(bytearray(b), dtype=torch.uint8)); per-rank ones (rank_state=) are "
+        f"stored once per rank. Nothing was committed")
 
 
 def read_manifest(storage: Storage, directory: str) -> Manifest:
@@ -171,11 +194,8 @@ def parse_manifest(source: str, data: bytes) -> Manifest:
                for name, raw in raw_specs.items()}
     files = {check_relative_name(f, (".safetensors",), source=source): FileRecord.from_json(f, r)
              for f, r in expect_dict(obj.get("files") or {}, f"{source}: files").items()}
-    objects = expect_dict(obj.get("objects") or {}, f"{source}: objects")
-    for name, value in objects.items():
-        if not isinstance(value, PLAIN_TYPES):
-            raise MetadataError(f"{source}: object {short_repr(name)} is {short_repr(value)}; plain leaves are "
-                                f"int, float, bool, str or null. {_FIX}")
+    objects = {name: decode_value(raw, f"{source}: object {short_repr(name)}")
+               for name, raw in expect_dict(obj.get("objects") or {}, f"{source}: objects").items()}
     user_metadata = expect_dict(obj.get("user_metadata") or {}, f"{source}: user_metadata")
     structure = obj.get("structure")
     if structure is not None:

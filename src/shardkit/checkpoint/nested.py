@@ -2,11 +2,12 @@
 
 A leaf's name is its path joined with ``.`` (list items by index:
 ``optim.state.0.exp_avg``). Tensor leaves go to the shard files; plain
-leaves (``int``, ``float``, ``bool``, ``str``, ``None``) go to
-``metadata.json`` as JSON. The *structure* is a small JSON tree that records
-container types and the exact keys (``str`` or ``int``, so optimizer state
-keyed by ints comes back with int keys). Anything else is refused with a
-``TypeError`` naming its path: nothing is ever pickled.
+leaves (``int``, ``float`` including NaN and infinities, ``bool``, ``str``,
+``None``, ``bytes``, ``bytearray``, numpy scalars) go to ``metadata.json`` as
+JSON (``storage.plain_values`` says which and how). The *structure* is a small
+JSON tree that records container types and the exact keys (``str`` or
+``int``, so optimizer state keyed by ints comes back with int keys). Anything
+else is refused with a ``TypeError`` naming its path: nothing is ever pickled.
 
 Example::
 
@@ -18,7 +19,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -26,16 +26,16 @@ import torch
 
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.storage.json_io import short_repr
+from shardkit.storage.plain_values import checked_value
 
-__all__ = ["Flat", "flatten", "unflatten", "select_names", "join_name", "check_structure", "PLAIN_TYPES"]
+__all__ = ["Flat", "flatten", "unflatten", "select_names", "join_name", "check_structure"]
 
-PLAIN_TYPES = (bool, int, float, str, type(None))
 _TENSOR, _OBJECT = "T", "O"
 
 
 @dataclass
 class Flat:
-    """A flattened state: tensor leaves, plain leaves and the structure to rebuild it."""
+    """A flattened state: tensor leaves, plain leaves (as saved: a ``bytearray`` is a copy) and the structure."""
 
     tensors: dict[str, torch.Tensor]
     objects: dict[str, Any]
@@ -56,12 +56,6 @@ def _walk(node: Any, path: str, flat: Flat) -> Any:
         _claim(path, flat)
         flat.tensors[path] = node
         return _TENSOR
-    if isinstance(node, PLAIN_TYPES):
-        if isinstance(node, float) and not math.isfinite(node):
-            raise TypeError(f"state leaf {path!r} is {node}, which JSON cannot hold; store it as a tensor")
-        _claim(path, flat)
-        flat.objects[path] = node
-        return _OBJECT
     if isinstance(node, Mapping):
         items = []
         for key, child in node.items():
@@ -73,10 +67,10 @@ def _walk(node: Any, path: str, flat: Flat) -> Any:
     if isinstance(node, (list, tuple)):
         kind = "list" if isinstance(node, list) else "tuple"
         return {kind: [_walk(child, join_name(path, i), flat) for i, child in enumerate(node)]}
-    raise TypeError(
-        f"state leaf {path!r} is a {type(node).__name__}; shardkit saves tensors, dicts, lists, tuples "
-        f"and int/float/bool/str/None, and never pickles. Convert it (e.g. to a tensor or a dict)."
-    )
+    value = checked_value(node, path)  # TypeError for what objects cannot hold
+    _claim(path, flat)
+    flat.objects[path] = value
+    return _OBJECT
 
 
 def join_name(path: str, key: Any) -> str:

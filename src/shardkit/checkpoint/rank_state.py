@@ -5,8 +5,9 @@ Its tensors (the same shape and dtype on every rank, as RNG states are)
 are stored as one chunked tensor ``__rank_state__.<name>`` of shape
 ``(world_size, *shape)`` whose row ``r`` is rank r's value, each row written
 by its own rank; its plain leaves are stored as ``__rank_state__.<r>.<name>``
-objects, gathered to rank 0 with the layout exchange. Nothing else changes in
-the format (``docs/format.md``).
+objects, gathered to rank 0 with the layout exchange in their ``metadata.json``
+form (``storage.plain_values``: a loader's ``bytes`` state travels as base64).
+Nothing else changes in the format (``docs/format.md``).
 
 **The rule**: ``load(..., rank_state=...)`` fills rank r's ``rank_state`` in
 place with saved rank r's values when the world size equals the saving one.
@@ -33,6 +34,7 @@ from shardkit.checkpoint.nested import flatten
 from shardkit.dtypes import to_safetensors_name
 from shardkit.errors import TensorMismatchError
 from shardkit.layout import Box
+from shardkit.storage.plain_values import decode_value, encode_objects
 
 __all__ = ["PREFIX", "rank_state_report", "rank_state_objects", "is_rank_state_name", "rank_state_targets",
            "warn_world_changed"]
@@ -52,7 +54,11 @@ def check_reserved(names) -> None:
 
 
 def rank_state_report(rank_state, rank: int, world_size: int) -> tuple[dict, dict[str, torch.Tensor], dict]:
-    """``(box report, local tensors, plain leaves)`` of this rank's ``rank_state`` under the reserved names."""
+    """``(box report, local tensors, plain leaves)`` of this rank's ``rank_state`` under the reserved names.
+
+    The plain leaves are JSON (encoded as ``metadata.json`` holds them), to be
+    gathered to rank 0; :func:`rank_state_objects` decodes them there.
+    """
     if rank_state is None:
         return {}, {}, {}
     flat = flatten(rank_state)
@@ -62,14 +68,15 @@ def rank_state_report(rank_state, rank: int, world_size: int) -> tuple[dict, dic
         shape = [world_size, *t.shape]
         report[full] = [shape, to_safetensors_name(t.dtype), [rank] + [0] * t.dim(), [1, *t.shape]]
         local[full] = t.detach().unsqueeze(0)
-    return report, local, {f"{PREFIX}.{rank}.{n}": v for n, v in flat.objects.items()}
+    return report, local, encode_objects({f"{PREFIX}.{rank}.{n}": v for n, v in flat.objects.items()})
 
 
 def rank_state_objects(statuses: list[dict]) -> dict[str, Any]:
-    """Every rank's plain per-rank leaves, from the statuses gathered to rank 0."""
+    """Every rank's plain per-rank leaves (the values themselves), from the statuses gathered to rank 0."""
     out: dict[str, Any] = {}
     for s in statuses:
-        out.update(s.get("rank_objects") or {})
+        out.update({name: decode_value(raw, f"rank_state leaf {name!r}") for name, raw in
+                    (s.get("rank_objects") or {}).items()})
     return out
 
 

@@ -190,4 +190,6 @@ def map_leaves(node: Any, path: tuple, fn: Callable[[tuple, torch.Tensor], torch
     if isinstance(node, (list, tuple)):
         items = [map_leaves(v, path + (i,), fn) for i, v in enumerate(node)]
         return items if isinstance(node, list) else tuple(items)
-    return node
+    # The one mutable plain leaf a save keeps (nested.flatten): copied now, as the tensors are, so a change
+    # the caller makes after save_async returns is not what the background save writes.
+    return bytearray(node) if isinstance(node, bytearray) else node
