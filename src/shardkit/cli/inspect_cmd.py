@@ -2,7 +2,8 @@
 
 For a distributed checkpoint (``metadata.json``): format and version, the
 saving world size, every tensor's dtype, full shape and how it is split, the
-data files and their sizes, the plain values and user metadata. For a Hugging
+data files and their sizes, the plain values (--json: as metadata.json holds
+them, NaN as {"float": "NaN"}, bytes as {"bytes": base64}) and user metadata. For a Hugging
 Face checkpoint (``model.safetensors[.index.json]``, ``pytorch_model.bin[.index.json]``):
 every tensor's dtype, shape and file (from the safetensors headers), the files
 and the tied names. ``--json`` prints the same as JSON. Reads only manifests,
@@ -78,7 +79,7 @@ def _run_dcp(args) -> int:
         print(f"  {r['name']:<{width}}  {r['dtype']:<9} {r['shape']}")
     if values:
         print("values:")
-        for line in summarise_values({n: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
+        for line in summarise_values({n: v if isinstance(v, (int, float, str, bool, type(None), bytes)) else repr(v)
                                       for n, v in values.items()}):
             print(f"  {line}")
     return 0
@@ -87,6 +88,7 @@ def _run_dcp(args) -> int:
 def _run_distributed(args) -> int:
     from shardkit.checkpoint import read_metadata, validate_distributed
     from shardkit.hf.untrusted import hostile_input
+    from shardkit.storage.plain_values import encode_objects
 
     with hostile_input(args.path, fix="the checkpoint is damaged; restore it or use an earlier one"):
         m = read_metadata(args.path)
@@ -99,7 +101,7 @@ def _run_distributed(args) -> int:
         "num_ranks": m.num_ranks,
         "tensors": rows,
         "files": {name: rec.bytes for name, rec in sorted(m.files.items())},
-        "objects": m.objects,
+        "objects": encode_objects(m.objects),  # metadata.json's typed form: strict JSON, never ambiguous
         "user_metadata": m.user_metadata,
         "problems": problems,
     }
@@ -138,13 +140,28 @@ MAX_VALUE_CHARS = 60
 def summarise_values(values: dict) -> list[str]:
     """One short line per plain value, at most ``MAX_VALUES_SHOWN``, then how many more there are.
 
+    A string is shown quoted (``'nan'``), a JSON value as JSON (``NaN``,
+    ``Infinity`` for those floats), anything else by its repr
+    (``np.float32(1.5)``, ``b'...'`` with its length when cut).
+
     >>> summarise_values({"step": 5, "lr": 0.001, "note": "x" * 100})[:2]
     ['step = 5', 'lr = 0.001']
     """
     lines = []
     for name, value in list(values.items())[:MAX_VALUES_SHOWN]:
-        text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else repr(value)
+        text = _value_text(value)
         lines.append(f"{name} = {text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS - 3] + '...'}")
     if len(values) > MAX_VALUES_SHOWN:
         lines.append(f"... and {len(values) - MAX_VALUES_SHOWN} more (--json shows every value)")
     return lines
+
+
+def _value_text(value) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (bytes, bytearray)):
+        text = repr(value)
+        return text if len(text) <= MAX_VALUE_CHARS else f"{text[:MAX_VALUE_CHARS - 24]}... ({len(value):,} bytes)"
+    if type(value).__module__ == "numpy":  # np.float32(1.5): the type is part of the value (np.float64 too)
+        return repr(value)
+    return json.dumps(value, ensure_ascii=False)

@@ -21,6 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 __all__ = ["DiffReport", "TensorDiff", "diff_checkpoints", "tensor_difference"]
@@ -94,7 +95,7 @@ def _same_value(x, y) -> bool:
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
         return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
                 and x.shape == y.shape and _same_values(x.cpu(), y.cpu()))
-    if isinstance(x, (float, complex)) and isinstance(y, (float, complex)) and type(x) is type(y):
+    if isinstance(x, (float, complex, np.floating)) and type(x) is type(y):  # np.float32 NaN too
         return all(p == q or (math.isnan(p) and math.isnan(q)) for p, q in zip(_parts(x), _parts(y)))
     if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
         return type(x) is type(y) and len(x) == len(y) and all(map(_same_value, x, y))
