@@ -19,11 +19,12 @@ to ``metadata.json``. Rank and world size come from ``group`` (None: the
 default process group if initialised, else one process). The format is
 version 2 of ``metadata.json`` (``docs/format.md``): every tensor by its
 chunks, so any box layout reshards to any other. ``load`` also reads
-version-1 and seed-format checkpoints.
+version-1 and seed-format checkpoints, PyTorch DCP checkpoints and Hugging Face
+ones (``checkpoint/load_source.py``), with name mapping, partial loads and casts.
 
 What it does not do: it does not build the model/optimizer state (use
-``get_state_dict`` / ``set_state_dict``), cast dtypes, or add leaves the
-state lacks. Per-rank values that differ between ranks are not kept: plain
+``get_state_dict`` / ``set_state_dict``), cast dtypes unless asked
+(``cast=True``), or add leaves the state lacks. Per-rank values that differ between ranks are not kept: plain
 leaves come from rank 0 (save such state as a tensor in a DTensor, or in a
 per-rank directory).
 """
@@ -39,16 +40,15 @@ import torch.distributed as dist
 from shardkit.checkpoint.async_save import _dedicated_gloo_group
 from shardkit.checkpoint.future import CheckpointFuture
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
-from shardkit.checkpoint.dtensor_layout import local_box, outside_mesh
 from shardkit.checkpoint.group import resolve_group
-from shardkit.checkpoint.load_into import _leaves, _replace_plain, load_into
+from shardkit.checkpoint.load_names import LoadOptions
+from shardkit.checkpoint.load_source import load_from_source
 from shardkit.checkpoint.logs import logged
-from shardkit.checkpoint.read_path import open_checkpoint
-from shardkit.checkpoint.rank_state import check_reserved, is_rank_state_name, rank_state_targets, warn_world_changed
 from shardkit.checkpoint.shutdown import join_at_exit
 from shardkit.checkpoint.staging import stage
 from shardkit.checkpoint.staging_reserve import StagingReserve
-from shardkit.errors import AsyncCheckpointError, TensorMismatchError
+from shardkit.errors import AsyncCheckpointError
+from shardkit.sources.base import open_source
 from shardkit.storage import storage_for
 
 __all__ = ["save", "load", "async_save", "resolve_world", "start_background", "background_coordinator", "release_staging",
@@ -90,81 +90,50 @@ def save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -> None
     write_and_commit(prep, storage, directory, coordinator)
 
 
-def _walk(state_dict):
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict (possibly nested), got {type(state_dict).__name__}")
-    return _leaves(state_dict)
-
-
 @logged("load")
-def load(state_dict, dir, *, group=None, strict: bool = True, rank_state=None) -> None:
-    """Fill ``state_dict`` in place from the checkpoint at ``dir``, whatever mesh or world size saved it.
+def load(state_dict, dir, *, group=None, strict: bool = True, rank_state=None, cast: bool = False,
+         prefix: str | None = None, rename=None, allow_partial: bool = False, exclude=()) -> None:
+    """Fill ``state_dict`` in place from the checkpoint at ``dir``: shardkit's own (every version), a PyTorch
+    DCP one or a Hugging Face one, whatever mesh or world size saved it.
 
-    Each DTensor leaf receives its local box (only the overlapping byte
-    ranges are read), each plain tensor the whole tensor, each plain leaf its
-    saved value. A name of ``state_dict`` the checkpoint lacks, a checkpoint
-    name ``state_dict`` lacks (unless ``strict=False``), a global shape or a
-    dtype that differs raise :class:`TensorMismatchError` before a byte is
-    read. No collective is issued; ``group`` gives this rank's number.
-    ``rank_state`` (as saved) is filled in place with this rank's saved values
-    when the world size is the saving one; otherwise it is left untouched, with
-    a ``UserWarning`` (``rank_state.py``).
+    The format is the one detector's (``shardkit.sources.detect``: ``metadata.json``, then a Hugging Face
+    weights file or index, then DCP's ``.metadata``). Each DTensor leaf receives its local box (only the
+    bytes of that box are read: safetensors rows, DCP records), each plain tensor the whole tensor, each
+    plain leaf its saved value. ``.bin`` files are read through ``torch.load(weights_only=True)`` and DCP's
+    ``.metadata`` through a restricted unpickler: nothing runs code from the checkpoint, nothing in it is
+    changed. Names, global shapes, dtypes and file headers are checked before a byte is read
+    (:class:`TensorMismatchError`, or the format's typed errors for damaged files).
+
+    - ``strict``: a checkpoint leaf ``state_dict`` lacks is an error (False: ignored);
+    - ``allow_partial``: a ``state_dict`` leaf the checkpoint lacks is left untouched (default: an error);
+    - ``exclude``: glob patterns (``fnmatch``; ``*`` crosses dots) on state names: leaves neither read nor
+      required, checkpoint names that map there ignored;
+    - ``prefix``: state name ``N`` is read from checkpoint name ``prefix + N``; checkpoint names without
+      the prefix are outside the load. ``prefix="model."`` loads the ``model`` part of a training
+      checkpoint into a bare ``model.state_dict()``, or an HF ``*ForCausalLM`` checkpoint into its base
+      model; for the other direction (a state whose names carry more, e.g. ``module.``) pass ``rename``,
+      or load into the sub-dict (``state["model"]``);
+    - ``rename(checkpoint_name) -> state_name | None``: any mapping (None skips that checkpoint name),
+      applied after ``prefix``;
+    - ``cast``: a checkpoint tensor of another floating dtype is converted into the state's dtype (bf16
+      weights into fp32 parameters), read a box at a time into a temporary; without it, an error naming
+      ``cast=True``;
+    - tied weights a Hugging Face checkpoint stores once (``lm_head.weight`` with
+      ``model.embed_tokens.weight``) fill both names.
+
+    No collective is issued; ``group`` gives this rank's number. ``rank_state`` (shardkit checkpoints, as
+    saved) is filled in place with this rank's saved values when the world size is the saving one;
+    otherwise, or for another format, it is left untouched with a ``UserWarning`` (``rank_state.py``).
 
     >>> model_sd, optim_sd = get_state_dict(model, optimizer)
     >>> load({"model": model_sd, "optim": optim_sd}, "/ckpt/step-7")
+    >>> load(get_model_state_dict(fsdp_model), "llama-hf", cast=True)     # bf16 HF weights, fp32 FSDP2
     """
     _, rank, world_size = resolve_world(group)   # every rank reads its own boxes: nothing to agree on
-    with open_checkpoint(dir) as ck:
-        _load_open(state_dict, ck, rank, world_size, strict, rank_state)
-
-
-def _load_open(state_dict, ck, rank: int, world_size: int, strict: bool, rank_state) -> None:
-    m = ck.manifest
-    tensors, others = _walk(state_dict)
-    check_reserved([*tensors, *others])
-    _check_names(set(tensors) | others, {n for n in [*m.tensors, *m.objects] if not is_rank_state_name(n)}, strict)
-    boxes, targets = {}, {}
-    for name, t in tensors.items():
-        saved = m.tensors.get(name)
-        if saved is None:
-            raise TensorMismatchError(f"state_dict has a tensor {name!r}, but the checkpoint holds a plain value "
-                                      f"{m.objects.get(name)!r} there")
-        if tuple(t.shape) != tuple(saved.spec.full_shape):
-            raise TensorMismatchError(f"tensor {name!r} has global shape {list(t.shape)}, the checkpoint saved "
-                                      f"{list(saved.spec.full_shape)}; build the model with the saved shapes")
-        box_and_local = local_box(name, t)
-        if not outside_mesh(t):  # a rank outside the DTensor's mesh holds nothing of it to fill
-            boxes[name], targets[name] = box_and_local
-    for name in others:
-        if name in m.tensors:
-            raise TensorMismatchError(f"state_dict's leaf {name!r} is not a tensor, but the checkpoint holds a "
-                                      f"{list(m.tensors[name].spec.full_shape)} tensor there; put a tensor there")
-    plain = {}
-    if rank_state is not None and m.num_ranks != world_size:
-        warn_world_changed(m.num_ranks, world_size)
-    elif rank_state is not None:
-        extra_targets, extra_boxes, plain = rank_state_targets(rank_state, rank)
-        _check_names(set(extra_targets) | set(plain), set(m.tensors) | set(m.objects), strict=False)
-        targets.update(extra_targets)
-        boxes.update(extra_boxes)
-    load_into(targets, ck, 0, 1, keys=None, boxes=boxes)
-    _replace_plain(state_dict, "", {n: m.objects[n] for n in others})
-    if plain:
-        _replace_plain(rank_state, "", {leaf: m.objects[saved] for saved, leaf in plain.items()})
-
-
-def _check_names(names: set[str], saved: set[str], strict: bool) -> None:
-    missing = sorted(names - saved)
-    if missing:
-        raise TensorMismatchError(f"state_dict has {len(missing)} leaves the checkpoint lacks: "
-                                  f"{', '.join(missing[:8])}; the checkpoint holds {', '.join(sorted(saved)[:8])}"
-                                  f"{', ...' if len(saved) > 8 else ''}")
-    unexpected = sorted(saved - names)
-    if unexpected and strict:
-        raise TensorMismatchError(
-            f"the checkpoint holds {len(unexpected)} leaves state_dict lacks: {', '.join(unexpected[:8])}; "
-            f"pass a state_dict with them (an optimizer's state: use get_state_dict, which creates it) or "
-            f"strict=False to ignore them")
+    options = LoadOptions(strict=strict, cast=cast, prefix=prefix, rename=rename, allow_partial=allow_partial,
+                          exclude=exclude)
+    with open_source(os.fspath(dir), verify=None) as source:
+        load_from_source(state_dict, source, rank, world_size, options, rank_state)
 
 
 _BACKGROUND_GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

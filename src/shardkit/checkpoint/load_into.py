@@ -7,7 +7,7 @@ rank's slice of the saved tensor of that name, in place, so resuming training
 needs no second copy of the state. Contiguous CPU tensors are read into
 directly (``execute.run_loads`` with ``outputs``); GPU and non-contiguous ones
 through temporary CPU tensors, at most ``knobs.LOAD_STAGE_BYTES`` of them at
-a time, then ``copy_``. Plain leaves that the checkpoint also holds are
+a time, then ``copy_`` (the fill engine every in-place load shares, ``checkpoint/fill.py``). Plain leaves that the checkpoint also holds are
 replaced in their container (a tuple is rebuilt, since it cannot change).
 
 Every name, shape, dtype and file header is checked before any tensor byte
@@ -29,22 +29,21 @@ Example::
 
 from __future__ import annotations
 
-import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
-from shardkit import knobs
-from shardkit.checkpoint.execute import OpenFiles, check_chunks, check_plans, run_loads, saved_dtype, scratch_elems_of
+from shardkit.checkpoint.execute import check_chunks, check_plans, run_loads, saved_dtype, scratch_elems_of
+from shardkit.checkpoint.fill import fill
 from shardkit.checkpoint.manifest import Manifest
 from shardkit.checkpoint.nested import join_name, select_names
-from shardkit.checkpoint.plan import TensorLoad, plan_load, wanted_box
+from shardkit.checkpoint.plan import plan_load, wanted_box
 from shardkit.checkpoint.read_path import OpenCheckpoint
 from shardkit.errors import TensorMismatchError
 from shardkit.layout import Box
 from shardkit.storage.destinations import shared_destinations
 
-__all__ = ["load_into"]
+__all__ = ["load_into", "state_leaves", "replace_plain"]
 
 
 def load_into(out: Mapping, ck: OpenCheckpoint, rank: int, world_size: int, *,
@@ -65,7 +64,7 @@ def load_into(out: Mapping, ck: OpenCheckpoint, rank: int, world_size: int, *,
         raise TypeError(f"out must be a dict (possibly nested), like the state that was saved; got "
                         f"{type(out).__name__}")
     m, files = ck.manifest, ck.files()
-    tensors, others = _leaves(out)
+    tensors, others = state_leaves(out)
     names = _chosen([*tensors, *others], [*m.tensors, *m.objects], keys)
     targets = {n: tensors[n].detach() for n in tensors if n in names}  # detach: params that require grad
     want = {n: _check_target(n, t, m, rank, world_size, (boxes or {}).get(n)) for n, t in targets.items()}
@@ -77,12 +76,15 @@ def load_into(out: Mapping, ck: OpenCheckpoint, rank: int, world_size: int, *,
     plans = plan_load(m.tensors, want, scratch_elems_of(dtypes))
     check_plans(files, plans, dtypes.__getitem__)
     tied, overlapping = shared_destinations(targets)
-    _fill(files, [p for p in plans if p.name not in tied], targets, dtypes, apart=overlapping)
-    _replace_plain(out, "", {n: m.objects[n] for n in names if n in m.objects})
+    by_name = {p.name: p for p in plans if p.name not in tied}  # a tied leaf is filled by its first name
+    fill({n: targets[n] for n in by_name}, dtypes,
+         lambda names, outputs: run_loads(files, [by_name[n] for n in names], dtypes.__getitem__, outputs),
+         apart=overlapping)
+    replace_plain(out, "", {n: m.objects[n] for n in names if n in m.objects})
     return out
 
 
-def _leaves(state: Mapping) -> tuple[dict[str, torch.Tensor], set[str]]:
+def state_leaves(state: Mapping) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The tensor leaves of ``state`` by dotted name (in the state's order), and the names of its other leaves."""
     tensors: dict[str, torch.Tensor] = {}
     others: set[str] = set()
@@ -155,49 +157,24 @@ def _sample(names) -> str:
     return (", ".join(names[:8]) + (", ..." if len(names) > 8 else "")) or "no tensors"
 
 
-def _fill(files: OpenFiles, plans: list[TensorLoad], targets: dict[str, torch.Tensor],
-          dtypes: dict[str, torch.dtype], *, apart: set[str]) -> None:
-    """Run ``plans`` into ``targets``: contiguous CPU ones read into directly, in parallel; the rest
-    (and those in ``apart``, whose memory overlaps another target's) staged, then copied in one by one."""
-    direct = {n: t for n, t in targets.items() if t.device.type == "cpu" and t.is_contiguous() and n not in apart}
-    run_loads(files, [p for p in plans if p.name in direct], dtypes.__getitem__, direct)
-    torch.autograd.graph.increment_version(list(direct.values()))  # written behind autograd's back
-    for group in _stage_groups([p for p in plans if p.name not in direct], dtypes):
-        staged = run_loads(files, group, dtypes.__getitem__)
-        for plan in group:  # in out's order: where targets overlap, the later one is written last
-            targets[plan.name].copy_(staged[plan.name])
-
-
-def _stage_groups(plans: list[TensorLoad], dtypes: dict[str, torch.dtype]) -> Iterator[list[TensorLoad]]:
-    """Plans in groups whose temporaries total at most ``knobs.LOAD_STAGE_BYTES`` (or one tensor)."""
-    group: list[TensorLoad] = []
-    group_bytes = 0
-    for plan in plans:
-        nbytes = math.prod(plan.out_shape) * dtypes[plan.name].itemsize
-        if group and group_bytes + nbytes > knobs.LOAD_STAGE_BYTES:
-            yield group
-            group, group_bytes = [], 0
-        group.append(plan)
-        group_bytes += nbytes
-    if group:
-        yield group
-
-
-def _replace_plain(node: Any, path: str, values: dict[str, Any]) -> Any:
+def replace_plain(node: Any, path: str, values: dict[str, Any]) -> Any:
     """``node`` with each non-tensor leaf named in ``values`` replaced: dicts, lists in place; tuples rebuilt."""
     if isinstance(node, torch.Tensor):
         return node
     if isinstance(node, Mapping):
         for key, child in list(node.items()):
-            new = _replace_plain(child, join_name(path, key), values)
+            new = replace_plain(child, join_name(path, key), values)
             if new is not child:
                 node[key] = new
         return node
     if isinstance(node, (list, tuple)):
-        items = [_replace_plain(child, join_name(path, i), values) for i, child in enumerate(node)]
+        items = [replace_plain(child, join_name(path, i), values) for i, child in enumerate(node)]
         if isinstance(node, list):
             node[:] = items
             return node
         changed = any(a is not b for a, b in zip(items, node))
         return node if not changed else tuple(items) if type(node) is tuple else type(node)(*items)
     return values[path] if path in values else node
+
+
+_leaves = state_leaves  # the name tests and older callers use

@@ -6,9 +6,10 @@ Face one (an index or a single weights file) or a PyTorch DCP one
 (``.metadata``, or ``.distcp`` files of a save that never finished), and
 raises :class:`InputError` (exit code 2) for a missing path, a file, a
 directory that holds no checkpoint at all, or a checkpoint file that is not a
-regular file (a FIFO would block the reader forever). A URL (``s3://``,
-``memory://``) is asked of its store with :func:`shardkit.sources.detect_kind`.
-It reads no file contents.
+regular file (a FIFO would block the reader forever). The kind, and the
+order that decides a directory holding two formats, are the one detector's
+(:mod:`shardkit.sources.detect`, which every reader asks); a URL (``s3://``,
+``memory://``) is asked of its store there too. It reads no file contents.
 
 Example::
 
@@ -20,23 +21,18 @@ from __future__ import annotations
 import os
 import stat
 
-__all__ = ["InputError", "checkpoint_kind", "check_from", "DISTRIBUTED", "HF", "DCP"]
+from shardkit.sources.detect import DCP, DISTRIBUTED, HF, KIND_NAMES, describe_names, find_format, format_of_names
 
-DISTRIBUTED = "distributed"
-HF = "hf"
-DCP = "dcp"
+__all__ = ["InputError", "checkpoint_kind", "check_from", "DISTRIBUTED", "HF", "DCP"]
 
 
 class InputError(Exception):
     """Bad usage or input: the path is missing, unreadable, or not a checkpoint (exit code 2)."""
 
 
-#: The files that make a directory a checkpoint (``shardkit.hf.directory`` looks for the same).
-_HF_NAMES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
-_DISTRIBUTED_NAME = "metadata.json"
-_DCP_NAME = ".metadata"
 #: Entries a reader would open: each must be a regular file.
 _READ_SUFFIXES = (".json", ".safetensors", ".bin")
+_DCP_NAME = ".metadata"
 
 
 def checkpoint_kind(path: str) -> str:
@@ -56,16 +52,11 @@ def checkpoint_kind(path: str) -> str:
     except OSError as e:
         raise InputError(f"{path} cannot be listed ({e.strerror})") from e
     _require_regular_files(local, sorted(n for n in names if n.endswith(_READ_SUFFIXES) or n == _DCP_NAME))
-    if _DISTRIBUTED_NAME in names:
-        return DISTRIBUTED
-    if names.intersection(_HF_NAMES):
-        return HF
-    if any(n.startswith("rank_") for n in names):
-        return DISTRIBUTED  # rank files without metadata.json: a save that never finished
-    if _DCP_NAME in names or any(n.endswith(".distcp") for n in names):
-        return DCP  # .distcp files without .metadata: a DCP save that never finished
+    found = format_of_names(names)  # the one detector's order; data files without a marker: that kind,
+    if found is not None:           # whose reader then says the save never finished
+        return found.kind
     raise InputError(
-        f"{path} is not a checkpoint: it has no metadata.json (distributed), "
+        f"{path} is not a checkpoint: {describe_names(names)}; a checkpoint has metadata.json (distributed), "
         f"model.safetensors[.index.json] or pytorch_model.bin[.index.json] (Hugging Face), "
         f"or .metadata (PyTorch DCP)"
     )
@@ -98,16 +89,11 @@ def _kind(mode: int) -> str:
 
 
 def _remote_kind(path: str) -> str:
-    """The kind :func:`~shardkit.sources.detect_kind` finds on the store (as ``diff`` opens it); where it
-    finds none, ``"distributed"``: a store lists no rank objects here, so the distributed reader says
-    what is missing (``metadata.json`` of a save that never finished)."""
-    from shardkit.errors import MetadataError
-    from shardkit.sources import detect_kind
-
-    try:
-        return detect_kind(path)
-    except MetadataError:
-        return DISTRIBUTED
+    """The kind the one detector finds on the store (as ``diff`` opens it); where it finds none,
+    ``"distributed"``: the distributed reader then says what is missing (``metadata.json`` of a save
+    that never finished)."""
+    found = find_format(path)
+    return found.kind if found is not None else DISTRIBUTED
 
 
 def _local_path(path: str) -> str:
@@ -119,14 +105,12 @@ def _local_path(path: str) -> str:
     return file_url_path(path)
 
 
-#: What each kind needs in a directory, by the names ``checkpoint_kind`` tells the formats apart by.
+#: What each kind needs in a directory, in words.
 _KIND_FILES = {
-    DISTRIBUTED: (f"{_DISTRIBUTED_NAME} or rank_*.safetensors",
-                  lambda n: n == _DISTRIBUTED_NAME or n.startswith("rank_")),
-    HF: (" or ".join(_HF_NAMES), lambda n: n in _HF_NAMES),
-    DCP: (f"{_DCP_NAME} or *.distcp", lambda n: n == _DCP_NAME or n.endswith(".distcp")),
+    DISTRIBUTED: "metadata.json or rank_*.safetensors",
+    HF: "model.safetensors, model.safetensors.index.json, pytorch_model.bin or pytorch_model.bin.index.json",
+    DCP: ".metadata or *.distcp",
 }
-_KIND_NAMES = {DISTRIBUTED: "shardkit distributed", HF: "Hugging Face", DCP: "PyTorch DCP"}
 
 
 def check_from(src: str, from_kind: str, found_kind: str) -> None:
@@ -136,8 +120,8 @@ def check_from(src: str, from_kind: str, found_kind: str) -> None:
     A directory holding two formats (a DCP save beside ``model.safetensors``) is detected as one of them;
     ``--from`` then picks the other, so only a format with no file of its own there is refused.
     """
-    what, is_its_file = _KIND_FILES[from_kind]
-    if any(is_its_file(n) for n in os.listdir(_local_path(src))):
+    if any(found.kind == from_kind for n in os.listdir(_local_path(src)) for found in [format_of_names([n])] if found):
         return
-    raise InputError(f"{src} holds a {_KIND_NAMES[found_kind]} checkpoint, not a {_KIND_NAMES[from_kind]} one "
-                     f"(it has no {what}); pass --from {found_kind}, or leave --from out to detect it")
+    raise InputError(f"{src} holds a {KIND_NAMES[found_kind]} checkpoint, not a {KIND_NAMES[from_kind]} one "
+                     f"(it has no {_KIND_FILES[from_kind]}); pass --from {found_kind}, or leave --from out to "
+                     f"detect it")

@@ -71,33 +71,36 @@ class CheckpointMeta:
     distributed: bool = False
 
 
-#: transformers' ``from_pretrained`` order (``modeling_utils``: SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME,
-#: WEIGHTS_NAME, WEIGHTS_INDEX_NAME), so that both read the same weights from one directory.
-_CANDIDATES = (
-    CheckpointMeta(SAFE_WEIGHTS_NAME, False, True),
-    CheckpointMeta(SAFE_INDEX_NAME, True, True),
-    CheckpointMeta(BIN_WEIGHTS_NAME, False, False),
-    CheckpointMeta(BIN_INDEX_NAME, True, False),
-    CheckpointMeta(DISTRIBUTED_METADATA_NAME, True, True, distributed=True),
-)
+#: The layout of each commit marker the one detector (``shardkit.sources.detect``) knows.
+_CANDIDATES = {
+    SAFE_WEIGHTS_NAME: CheckpointMeta(SAFE_WEIGHTS_NAME, False, True),
+    SAFE_INDEX_NAME: CheckpointMeta(SAFE_INDEX_NAME, True, True),
+    BIN_WEIGHTS_NAME: CheckpointMeta(BIN_WEIGHTS_NAME, False, False),
+    BIN_INDEX_NAME: CheckpointMeta(BIN_INDEX_NAME, True, False),
+    DISTRIBUTED_METADATA_NAME: CheckpointMeta(DISTRIBUTED_METADATA_NAME, True, True, distributed=True),
+}
 
 
 def get_checkpoint_metadata(path: str) -> Optional[CheckpointMeta]:
-    """The layout of the checkpoint in ``path``, or None when there is none.
+    """The layout of the checkpoint in ``path``, or None when there is none (or only a DCP one).
 
     Looks only at which files exist; :func:`validate_checkpoint` checks them.
-    Where several layouts are present it picks the one ``from_pretrained``
-    loads: ``model.safetensors``, then ``model.safetensors.index.json``, then
-    ``pytorch_model.bin``, then its index (then ``metadata.json``), so shardkit
-    and transformers never read different weights from one directory. It
-    does not warn about the others; ``save_checkpoint`` removes them, and
+    The choice is the one detector's (:func:`shardkit.sources.detect.find_format`),
+    so every reader sees one kind per directory: ``metadata.json`` (a shardkit
+    distributed checkpoint) first, then, in ``from_pretrained``'s order,
+    ``model.safetensors``, ``model.safetensors.index.json``,
+    ``pytorch_model.bin``, its index -- among Hugging Face files shardkit and
+    transformers never read different weights from one directory. It does
+    not warn about the others; ``save_checkpoint`` removes them, and
     :func:`~shardkit.hf.create_pretrained_symlinks` refuses to link next to them.
     """
-    store, root = storage_for(path)
-    for meta in _CANDIDATES:
-        if store.exists(store.join(root, meta.file_name)):
-            return meta
-    return None
+    from shardkit.sources.detect import find_format
+
+    try:
+        found = find_format(path)
+    except MetadataError:  # a file, not a directory: no checkpoint
+        return None
+    return _CANDIDATES.get(found.marker) if found is not None else None
 
 
 def validate_checkpoint(checkpoint_path: str) -> bool:

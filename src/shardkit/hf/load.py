@@ -62,6 +62,9 @@ def load_checkpoint(
     distributed checkpoint (``metadata.json``, consolidated). With a module,
     loads into it and returns None; with ``module=None`` returns the tensors
     (only ``keys`` if given). Raises ``MissingShardError`` if none is there.
+    A module holding DTensors (FSDP2, tensor parallel) is filled in place by
+    :func:`shardkit.checkpoint.load`, each rank reading only its shards
+    (any format it reads: Hugging Face, shardkit, DCP).
 
     **Zero-copy by default** (``mmap="auto"``, the default, follows
     ``knobs.HF_MMAP_LOADS``, True): local safetensors files in dict mode or
@@ -127,6 +130,8 @@ def load_checkpoint(
     """
     from shardkit.hf.directory import get_checkpoint_metadata
 
+    if isinstance(module, Module) and _holds_dtensors(module):
+        return _load_sharded_module(model_dir, module, strict, assign, keys)
     meta = get_checkpoint_metadata(model_dir)
     if meta is None:
         raise MissingShardError(
@@ -152,6 +157,27 @@ def load_checkpoint(
         assign=assign, keys=keys, mmap=mmap,
     )
     return result if module is None else None
+
+
+def _holds_dtensors(module: Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in [*module.parameters(), *module.buffers()])
+
+
+def _load_sharded_module(model_dir, module, strict, assign, keys) -> None:
+    """An FSDP2 / tensor-parallel module (DTensor parameters): each rank fills only its own shards, in
+    place, through ``checkpoint.load`` (any format it reads; tied weights stored once fill both names).
+    ``strict`` as for any module: names of the module the checkpoint lacks are an error; names it has
+    and the module lacks never are. Loading does not cast (``checkpoint.load(..., cast=True)`` does)."""
+    from shardkit.checkpoint.api import load
+
+    if assign or keys is not None:
+        raise TensorMismatchError(
+            f"load_checkpoint({model_dir!r}, module) with {'assign=True' if assign else 'keys='}: a module "
+            f"with DTensor (FSDP2 / tensor-parallel) parameters is filled in place, shard by shard; load it "
+            f"without them, or load a dict with module=None")
+    load(module.state_dict(), model_dir, strict=False, allow_partial=not strict)
 
 
 def _load_distributed(model_dir, module, device, strict, assign, keys):

@@ -2,10 +2,17 @@
 
 Sits beside :mod:`shardkit.hf` (it uses :mod:`shardkit.checkpoint`,
 :mod:`shardkit.hf` and :mod:`shardkit.storage`) and below the CLI.
-:func:`open_source` gives a :class:`CheckpointSource` that lists tensors
-(``name -> TensorInfo(dtype, shape, checksum)``) and reads one at a time;
-:class:`DcpCheckpoint` reads DCP checkpoints without unpickling anything
-with plain pickle. Nothing here writes.
+:func:`detect_kind` (``sources/detect.py``) is the one format detector every
+reader asks; :func:`open_source` gives a :class:`CheckpointSource` (one
+reader per format behind one interface) that lists tensors
+(``name -> TensorInfo(dtype, shape, checksum)``), reads whole tensors or
+boxes of them (``read_boxes``); :class:`DcpCheckpoint` reads DCP checkpoints
+without unpickling anything with plain pickle. Nothing here writes.
+:func:`complete_kind` says whether a directory is a complete checkpoint of a
+kind ``checkpoint.load`` reads, and which, without reading tensor data.
+
+Names load on first use (PEP 562): importing ``shardkit.sources.detect``
+(the CLI's detection) imports no torch.
 
 Example::
 
@@ -15,9 +22,28 @@ Example::
         print({n: i.shape for n, i in src.tensors().items()})
 """
 
-from shardkit.sources.base import KINDS, CheckpointSource, TensorInfo, detect_kind, open_source
-from shardkit.sources.dcp import DcpCheckpoint, is_dcp_checkpoint
-from shardkit.sources.dcp_metadata import read_dcp_metadata
+import importlib
 
-__all__ = ["KINDS", "CheckpointSource", "TensorInfo", "detect_kind", "open_source", "DcpCheckpoint",
-           "is_dcp_checkpoint", "read_dcp_metadata"]
+_HOMES = {
+    "base": ["CheckpointSource", "TensorInfo", "open_source"],
+    "detect": ["KINDS", "complete_kind", "detect_kind", "find_format", "format_problems"],
+    "dcp": ["DcpCheckpoint", "is_dcp_checkpoint"],
+    "dcp_metadata": ["read_dcp_metadata"],
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _HOME_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardkit.sources' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"shardkit.sources.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME_OF))
+
+
+__all__ = sorted(_HOME_OF)

@@ -5,7 +5,10 @@
 ``model.safetensors``, ``pytorch_model.bin[.index.json]``) and a PyTorch DCP
 checkpoint (``.metadata``), and returns a :class:`CheckpointSource`:
 ``tensors()`` lists ``name -> TensorInfo(dtype, shape, checksum)`` without
-reading tensor data, ``read(name)`` returns one whole tensor. It reuses the
+reading tensor data, ``read(name)`` returns one whole tensor, ``read_boxes``
+any boxes of any tensors (reading only their bytes where the format allows:
+``checkpoint.load`` fills a rank's DTensor shards through it). The kind is
+the one detector's (``sources/detect.py``). It reuses the
 existing readers (``load_region``, the HF shard readers, the DCP reader) and
 never writes. ``checksum`` is a digest that is equal for two tensors only if
 their bytes are (from a distributed checkpoint's block checksums); it is None
@@ -22,18 +25,18 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
+from shardkit.errors import MetadataError
+from shardkit.layout import Box
+from shardkit.sources.detect import KINDS, detect_kind
 
-__all__ = ["TensorInfo", "CheckpointSource", "open_source", "detect_kind", "KINDS"]
+__all__ = ["TensorInfo", "CheckpointSource", "open_source", "detect_kind", "KINDS", "leaf_values"]
 
 log = logging.getLogger("shardkit.sources")
-KINDS = ("distributed", "hf", "dcp")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,45 @@ class CheckpointSource:
             raise NotImplementedError(f"{self.kind} sources read whole tensors only")
         out.copy_(self.read(name))
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's global shape by name, reading as little as the format allows (no tensor data)."""
+        return {n: tuple(i.shape) for n, i in self.tensors().items()}
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The saved dtype of tensor ``name``."""
+        return self.tensors()[name].dtype
+
+    def aliases(self) -> dict[str, str]:
+        """``{name: stored name}`` for tensors the checkpoint stores once under another name (tied weights:
+        a Hugging Face checkpoint keeps ``model.embed_tokens.weight`` and drops ``lm_head.weight``)."""
+        return {}
+
+    def check_boxes(self, want: Mapping[str, Box]) -> None:
+        """Check, reading no tensor data, what reading ``want`` relies on (file headers, sizes); raise the
+        format's typed errors. A load calls it for every box before it reads one. Base: nothing to check."""
+
+    def read_boxes(self, want: Mapping[str, Box], out: Mapping[str, torch.Tensor] | None = None
+                   ) -> dict[str, torch.Tensor]:
+        """Each ``name -> box`` of ``want`` as a CPU tensor of the saved dtype and the box's shape.
+
+        ``out[name]`` (contiguous, CPU, the saved dtype, the box's shape) is
+        read into where given; other boxes are allocated. Only the bytes of
+        the boxes are read where the format allows (safetensors rows, DCP
+        records). Never casts. This base version reads box by box through
+        :meth:`read_into`.
+
+        >>> src.read_boxes({"w": Box((4, 0), (4, 8))})["w"].shape
+        torch.Size([4, 8])
+        """
+        result = {}
+        for name, box in want.items():
+            target = (out or {}).get(name)
+            if target is None:
+                target = torch.empty(box.sizes, dtype=self.dtype_of(name))
+            self.read_into(name, target, box.offsets)
+            result[name] = target
+        return result
+
     def objects(self) -> dict[str, Any]:
         """Plain (non-tensor) values by dotted name, where the format keeps them."""
         return {}
@@ -98,46 +140,36 @@ class CheckpointSource:
         self.close()
 
 
-def detect_kind(path: str) -> str:
-    """``"distributed"``, ``"hf"`` or ``"dcp"`` for the checkpoint in ``path``; raise when it is none of them."""
-    from shardkit.hf.directory import get_checkpoint_metadata
-    from shardkit.sources.dcp import is_dcp_checkpoint
-    from shardkit.storage import storage_for
+def open_source(path: str, kind: str | None = None, *, verify: bool | None = True) -> CheckpointSource:
+    """Open the checkpoint in ``path`` for reading (``kind`` forces one of :data:`KINDS`; None: detect).
 
-    if not os.path.exists(path) and "://" not in path:
-        raise MissingShardError(f"{path} does not exist")
-    if "://" not in path and not os.path.isdir(path):
-        raise MetadataError(f"{path} is a file, not a checkpoint directory; pass the directory that holds it")
-    storage, root = storage_for(path)
-    if storage.exists(storage.join(root, "metadata.json")):
-        return "distributed"  # first, as the CLI's checkpoint_kind decides: one answer per directory
-    meta = get_checkpoint_metadata(path)
-    if meta is not None:
-        return "distributed" if meta.distributed else "hf"
-    if is_dcp_checkpoint(path):
-        return "dcp"
-    if any(n.endswith(".distcp") for n in _listdir(path)):
-        raise IncompleteCheckpointError(f"{path} has .distcp files but no .metadata: the DCP save never finished")
-    if any(n.startswith("rank_") and n.endswith(".safetensors") for n in _listdir(path)):
-        raise IncompleteCheckpointError(f"{path} has no metadata.json: the save never finished")
-    raise MetadataError(
-        f"{path} is not a checkpoint shardkit reads: no metadata.json (shardkit), model.safetensors[.index.json] "
-        f"or pytorch_model.bin[.index.json] (Hugging Face), or .metadata (PyTorch DCP)")
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def open_source(path: str, kind: str | None = None) -> CheckpointSource:
-    """Open the checkpoint in ``path`` for reading (``kind`` forces one of :data:`KINDS`; None: detect)."""
-    from shardkit.sources.readers import DcpSource, DistributedSource, HFSource
+    ``verify`` (distributed checkpoints only): True hashes every block a read
+    touches; None follows ``knobs.VERIFY_ON_LOAD`` (``checkpoint.load``'s choice).
+    """
+    from shardkit.sources.hf_source import HFSource
+    from shardkit.sources.readers import DcpSource, DistributedSource
 
     kind = kind or detect_kind(path)
     if kind not in KINDS:
         raise MetadataError(f"unknown checkpoint kind {kind!r}; choose from {', '.join(KINDS)}")
     log.info("opening %s as a %s checkpoint", path, kind)
-    return {"distributed": DistributedSource, "hf": HFSource, "dcp": DcpSource}[kind](path)
+    if kind == "distributed":
+        return DistributedSource(path, verify=verify)
+    return {"hf": HFSource, "dcp": DcpSource}[kind](path)
+
+
+def leaf_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with every non-empty list, tuple and dict split into dotted leaves (``betas.0``), as a
+    nested state's leaves are named (a DCP keeps AdamW's ``betas`` tuple whole); an empty container
+    stays a leaf. Example: ``leaf_values({"b": (0.9, 0.99)}) == {"b.0": 0.9, "b.1": 0.99}``."""
+    out: dict[str, Any] = {}
+    stack = list(reversed(list(values.items())))
+    while stack:
+        name, value = stack.pop()
+        if isinstance(value, (list, tuple)) and value:
+            stack.extend(reversed([(f"{name}.{i}", item) for i, item in enumerate(value)]))
+        elif isinstance(value, dict) and value:
+            stack.extend(reversed([(f"{name}.{key}", item) for key, item in value.items()]))
+        else:
+            out[name] = value
+    return out

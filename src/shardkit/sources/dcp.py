@@ -306,13 +306,31 @@ class DcpCheckpoint:
                 continue
             dst = _region(out, want, overlap)
             if not (overlap == chunk.box and dst.is_contiguous() and self._read_in_place(name, chunk, dst)):
-                src = self._load_chunk(name, chunk)
+                src = self._chunk_tensor(name, chunk)
                 dst.copy_(_region(src, chunk.box, overlap))
                 del src
             covered += overlap.numel
         if covered != want.numel:
             raise MetadataError(f"{self.directory}: the chunks of {name!r} cover {covered} of the {want.numel} "
                                 f"elements asked for; the checkpoint's .metadata is inconsistent")
+
+    def _chunk_tensor(self, name: str, chunk: DcpChunk) -> torch.Tensor:
+        """The whole chunk: its data bytes read straight into a fresh tensor when its record allows, else
+        through ``torch.load``; checked to lie inside its file before anything is allocated."""
+        what = f"tensor {name!r} (chunk at {list(chunk.box.offsets)})"
+        with self._files.use(chunk.file_name) as reader:
+            self._check_in_file(chunk, reader, what)
+        out = torch.empty(chunk.box.sizes, dtype=self.tensors[name].dtype)
+        return out if self._read_in_place(name, chunk, out) else self._load_chunk(name, chunk)
+
+    def check_box_files(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> None:
+        """Refuse, reading no tensor data, a box whose chunks' records are not inside their files (a
+        truncated ``.distcp``: :class:`IncompleteCheckpointError`, a missing one: :class:`MissingShardError`)."""
+        want = self._check_box(name, offsets, sizes)
+        for chunk in self._tensor(name).chunks:
+            if intersect(chunk.box, want) is not None:
+                with self._files.use(chunk.file_name) as reader:
+                    self._check_in_file(chunk, reader, f"tensor {name!r} (chunk at {list(chunk.box.offsets)})")
 
     def _check_box(self, name: str, offsets: Sequence[int], sizes: Sequence[int]) -> Box:
         meta = self._tensor(name)

@@ -2,7 +2,7 @@
 
 - :class:`DistributedSource`: ``checkpoint.read_metadata`` + ``load_region``
   (the whole box); checksums derived from the per-file block checksums;
-- :class:`HFSource`: the index (or the single file's header) + ``hf.load_checkpoint(keys=...)``;
+- :class:`~shardkit.sources.hf_source.HFSource` (in ``hf_source.py``, importable from here too);
 - :class:`DcpSource`: :class:`~shardkit.sources.dcp.DcpCheckpoint`.
 
 None of them writes. Example: see :func:`shardkit.sources.open_source`.
@@ -12,33 +12,36 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import xxhash
 
+from shardkit.checkpoint.execute import check_chunks
 from shardkit.checkpoint.plan import saved_chunks
 from shardkit.checkpoint.read_path import check_box, open_checkpoint
-from shardkit.dtypes import from_safetensors_name
-from shardkit.errors import MetadataError
+from shardkit.errors import MetadataError, TensorMismatchError
+from shardkit.layout import Box
 from shardkit.sources.base import CheckpointSource, TensorInfo
-from shardkit.storage import storage_for
+from shardkit.sources.hf_source import HFSource
 
-__all__ = ["DistributedSource", "HFSource", "DcpSource"]
+__all__ = ["DistributedSource", "HFSource", "DcpSource"]  # HFSource: from hf_source
 
 log = logging.getLogger("shardkit.sources")
 
 
 class DistributedSource(CheckpointSource):
-    """A shardkit distributed checkpoint (``metadata.json``); incomplete ones are refused on open."""
+    """A shardkit distributed checkpoint (``metadata.json``); incomplete ones are refused on open.
+
+    ``verify=True`` (the default, for the CLI's converters): every block a read touches is hashed,
+    so a corrupt source is refused, never copied under fresh checksums; None: ``knobs.VERIFY_ON_LOAD``.
+    """
 
     kind = "distributed"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, verify: bool | None = True):
         super().__init__(path)
-        # verify=True: every block a read touches is hashed, so a corrupt source is refused,
-        # never copied under fresh checksums.
-        self._ck = open_checkpoint(path, verify=True)
+        self._ck = open_checkpoint(path, verify=verify)
         self.manifest, self.storage, self.directory = self._ck.manifest, self._ck.storage, self._ck.directory
         self.records = self._ck.records
         self._infos: dict[str, TensorInfo] | None = None
@@ -97,6 +100,31 @@ class DistributedSource(CheckpointSource):
     def _dtype(self, name: str) -> torch.dtype:
         return self._ck.dtype(name)
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(t.spec.full_shape) for n, t in self.manifest.tensors.items()}
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        self._known(name)
+        return self._ck.dtype(name)
+
+    def check_boxes(self, want: Mapping[str, Box]) -> None:
+        """Every file header holding a chunk that overlaps a box of ``want`` (name, dtype, chunk shape)."""
+        for name in want:
+            self._known(name)
+        check_chunks(self._ck.files(), self.manifest.tensors, want, {n: self._ck.dtype(n) for n in want})
+
+    def read_boxes(self, want: Mapping[str, Box], out: Mapping[str, torch.Tensor] | None = None
+                   ) -> dict[str, torch.Tensor]:
+        """The boxes through the checkpoint's planner: only the overlapping byte ranges, in parallel."""
+        for name in want:
+            self._known(name)
+        return self._ck.boxes(dict(want), out={n: t for n, t in (out or {}).items() if n in want})
+
+    def _known(self, name: str) -> None:
+        if name not in self.manifest.tensors:
+            raise TensorMismatchError(f"{self.path} has no tensor {name!r}; it holds "
+                                      f"{', '.join(sorted(self.manifest.tensors)[:8]) or 'none'}")
+
     def close(self) -> None:
         self._ck.close()
 
@@ -108,68 +136,6 @@ class DistributedSource(CheckpointSource):
 
     def user_metadata(self) -> dict[str, Any]:
         return dict(self.manifest.user_metadata)
-
-
-class HFSource(CheckpointSource):
-    """A Hugging Face checkpoint directory (safetensors or ``.bin``, one file or an index)."""
-
-    kind = "hf"
-
-    def __init__(self, path: str):
-        from shardkit.hf.directory import get_checkpoint_metadata
-        from shardkit.hf.index import load_shard_index
-
-        super().__init__(path)
-        self.meta = get_checkpoint_metadata(path)
-        if self.meta is None or self.meta.distributed:
-            raise MetadataError(f"{path} holds no Hugging Face checkpoint")
-        if self.meta.is_index:
-            self.index = load_shard_index(path, self.meta.file_name)
-        else:
-            self.index = None
-        self._infos: dict[str, TensorInfo] | None = None
-
-    def tensors(self) -> dict[str, TensorInfo]:
-        if self._infos is None:
-            self._infos = self._build_infos()
-        return self._infos
-
-    def _weight_map(self) -> dict[str, str]:
-        if self.index is not None:
-            return dict(self.index["weight_map"])
-        return {"": self.meta.file_name}
-
-    def _build_infos(self) -> dict[str, TensorInfo]:
-        from shardkit.hf.bin_io import read_bin_shard
-        from shardkit.hf.shard_io import shard_header
-
-        store, root = storage_for(self.path)
-        weight_map = self._weight_map()
-        infos = {}
-        for file_name in dict.fromkeys(weight_map.values()):
-            path = store.join(root, file_name)
-            if file_name.endswith(".safetensors"):
-                found = {n: (from_safetensors_name(e.dtype), tuple(e.shape))
-                         for n, e in shard_header(store, path).tensors.items()}
-            else:  # a .bin has no header: load it (one file at a time) for dtypes and shapes
-                found = {n: (t.dtype, tuple(t.shape)) for n, t in read_bin_shard(store, path).items()}
-            wanted = [n for n, f in weight_map.items() if f == file_name] if self.index is not None else list(found)
-            for n in wanted:
-                if n not in found:
-                    raise MetadataError(f"the index places {n!r} in {file_name}, which does not hold it; "
-                                        f"the checkpoint in {self.path} is inconsistent")
-                infos[n] = TensorInfo(*found[n])
-        return infos
-
-    def read(self, name: str) -> torch.Tensor:
-        from shardkit.hf.load import load_checkpoint
-
-        return load_checkpoint(self.path, keys={name})[name]
-
-    def objects(self) -> dict[str, Any]:
-        if self.index is None:
-            return {}
-        return dict((self.index.get("metadata") or {}).get("shardkit_objects") or {})
 
 
 class DcpSource(CheckpointSource):
@@ -188,6 +154,14 @@ class DcpSource(CheckpointSource):
 
     def read(self, name: str) -> torch.Tensor:
         return self.checkpoint.read(name)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return self.checkpoint.tensors[name].dtype if name in self.checkpoint.tensors else super().dtype_of(name)
+
+    def check_boxes(self, want: Mapping[str, Box]) -> None:
+        """Every record a box of ``want`` reads lies inside its ``.distcp`` file (no tensor data read)."""
+        for name, box in want.items():
+            self.checkpoint.check_box_files(name, box.offsets, box.sizes)
 
     def read_into(self, name: str, out: torch.Tensor, offsets: tuple[int, ...] | None = None) -> None:
         self.checkpoint.read_into(name, out, offsets)
