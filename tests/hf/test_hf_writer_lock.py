@@ -28,9 +28,9 @@ def _state(value: float) -> dict:
 
 
 def _hf_save_held_mid_write(directory, value, started, release) -> None:
-    import shardkit.hf.save as hf_save
+    import shardkit.hf.export_write as hf_writer  # the one HF writer save_checkpoint goes through
 
-    hold_writes(hf_save, started, release, HANG_GUARD_S)
+    hold_writes(hf_writer, started, release, HANG_GUARD_S)
     save_checkpoint(directory, _state(value), safetensors=True, max_shard_size=256)
 
 

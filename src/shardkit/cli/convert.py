@@ -3,14 +3,16 @@
 SRC may be a shardkit distributed checkpoint, a Hugging Face directory or a
 PyTorch DCP checkpoint (``--from``, detected when left out). DCP's pickled
 ``.metadata`` is read through a restricted unpickler: one that carries code
-is refused and never runs. ``--to hf`` exports a model: the subtree under
-``--prefix`` (default: ``model.`` when everything else in the checkpoint is
-training state such as an optimizer or a step, else every tensor as named,
-so a Hugging Face model's ``lm_head.weight`` stays), with the prefix
-stripped, optionally cast with
-``--dtype``, in shards of at most ``--max-shard-size``, plus ``config.json``
-(``--config``, or one found in SRC). ``--to distributed`` writes a one-rank
-checkpoint with every tensor replicated (loads on any world size).
+is refused and never runs. ``--to hf`` exports the model tensors only, by
+default: no optimizer state, scheduler, step or per-rank ``__rank_state__``,
+and a lone ``model.`` subtree stripped (a Hugging Face model's ``model.*``
+beside ``lm_head.weight`` stays as named); ``--prefix P`` exports the
+subtree P instead (stripped), ``--prefix ''`` every tensor as named,
+optimizer state included. Optionally cast with ``--dtype``, in shards of at
+most ``--max-shard-size``, plus ``config.json`` (``--config``, or one found
+in SRC); written by the same writer as ``shardkit.hf.save_checkpoint``.
+``--to distributed`` writes a one-rank checkpoint with every tensor
+replicated (loads on any world size).
 Tensor by tensor; DST appears complete or not at all.
 Exit codes: 0 done, 1 SRC is incomplete or corrupt, 2 bad input (a missing SRC, DST exists, a bad option,
 a --from naming a format SRC does not hold).
@@ -42,8 +44,8 @@ def register(sub) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="largest HF shard, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="cast floating tensors to this dtype")
     p.add_argument("--prefix", default=None,
-                   help="export only the subtree under this prefix, stripped (--to hf; '' for everything; "
-                        "default: 'model.' when all else is optimizer/training state)")
+                   help="export only the subtree under this prefix, stripped (--to hf; default: the model "
+                        "tensors, without optimizer state or __rank_state__; '' for every tensor)")
     p.add_argument("--config", default=None, help="a config.json to write beside the weights (--to hf)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     add_common(p)

@@ -1,20 +1,24 @@
 """Convert between a shardkit distributed checkpoint and a Hugging Face one, tensor by tensor.
 
-Distributed -> HF: the index is planned from ``metadata.json`` alone (names,
-full shapes, dtypes); each shard file is then streamed one whole tensor at a
-time (read through one ``open_checkpoint``: the manifest once, each data
-file opened once; written, dropped), so memory stays around the largest
+Distributed -> HF: the model tensors are chosen from ``metadata.json`` alone
+(``export_plan.select_model_names``: no optimizer state, no ``__rank_state__``,
+a lone ``model.`` subtree stripped), planned into shards, and written through
+the one HF writer (``export_write``), each whole tensor read (through one
+``open_checkpoint``: the manifest once, each data file opened once), cast
+when ``dtype`` is given, written, dropped: memory stays around the largest
 tensor, never the model. The index is written last, under the writer lock.
+``shardkit convert --to hf`` (``offline.export_hf``) is the same export into
+a new directory, from any checkpoint kind.
 
 HF -> distributed: the HF shards are memory-mapped (file-backed pages the
 kernel can drop, not copies) and handed to ``save_distributed`` as one rank
 with every tensor replicated; it loads on any world size. To get a sharded
-layout, load it and save again with a ``shard_spec``. Not here: configs,
-tokenizers, optimizer state.
+layout, load it and save again with a ``shard_spec``. Not here: tokenizers,
+optimizer state.
 
 Example::
 
-    distributed_to_hf("ckpt/step-100", "export/step-100", max_shard_size=2**30)
+    distributed_to_hf("ckpt/step-100", "export/step-100", max_shard_size=2**30, dtype=torch.bfloat16)
     hf_to_distributed("export/step-100", "ckpt/imported")
 """
 
@@ -31,23 +35,16 @@ from shardkit.dtypes import from_safetensors_name
 from shardkit.layout import whole_box
 from shardkit.errors import IncompleteCheckpointError, MetadataError, TensorMismatchError
 from shardkit.hf.bin_io import read_bin_shard
-from shardkit.hf.index import (
-    files_to_names,
-    index_file_name,
-    index_json,
-    load_shard_index,
-    plan_shards,
-    shard_file_name,
-    shard_size_bytes,
-    write_index_json,
-)
-from shardkit.hf.save import _remove_previous
+from shardkit.hf.export_plan import out_dtype, plan_export, select_model_names
+from shardkit.hf.export_write import export_index, remove_previous, write_export
+from shardkit.hf.index import load_shard_index, shard_size_bytes
+from shardkit.hf.save_checks import check_export_dtype
 from shardkit.hf.shard_io import shard_header
 from shardkit.hf.untrusted import hostile_input, non_regular_problems
-from shardkit.storage import LazyTensor, write_safetensors
+from shardkit.storage import LazyTensor
 from shardkit.storage import storage_for
 
-__all__ = ["distributed_to_hf", "hf_to_distributed", "load_distributed_flat"]
+__all__ = ["distributed_to_hf", "hf_to_distributed", "load_distributed_flat", "read_config_file"]
 
 
 def distributed_to_hf(
@@ -57,23 +54,32 @@ def distributed_to_hf(
     safetensors: bool = True,
     max_shard_size: Union[int, str] = 2**31,
     metadata: Optional[Dict] = None,
+    dtype: Optional[torch.dtype] = None,
+    prefix: Optional[str] = None,
+    config: Optional[str] = None,
 ) -> None:
-    """Write the full (unsharded) tensors of the distributed checkpoint ``dist_dir`` as an HF checkpoint.
+    """Write the full (unsharded) model tensors of the distributed checkpoint ``dist_dir`` as an HF checkpoint.
 
-    Non-tensor leaves of the saved state go to ``metadata["shardkit_objects"]``
-    in the index. With ``safetensors=False`` each ``.bin`` shard is built in
-    memory (a shard, not the model).
+    Which tensors: ``prefix`` as ``select_model_names`` reads it (None: the
+    model's, without optimizer state or ``__rank_state__``, a lone ``model.``
+    stripped; ``""``: every tensor as named). ``dtype`` casts floating
+    tensors (e.g. ``torch.bfloat16``). ``config``: a ``config.json`` (path or
+    URL) to write beside the weights. Non-tensor leaves of the chosen
+    subtree go to ``metadata["shardkit_objects"]`` in the index. With
+    ``safetensors=False`` each ``.bin`` shard is built in memory (a shard,
+    not the model). An HF checkpoint already in ``hf_dir`` is replaced.
 
     Every byte of the source is hashed against its checksums before an HF
     checkpoint already in ``hf_dir`` is replaced: a damaged source raises
     ``IncompleteCheckpointError`` (a missing file ``MissingShardError``) and
     leaves ``hf_dir`` as it was. That is one extra read of the source.
     ``max_shard_size``: bytes, or a string such as ``"5GB"`` (as for
-    ``save_checkpoint``). A bad size, or ``metadata`` the index cannot hold
-    and read back (a numpy scalar, NaN), raises ``MetadataError`` before
-    ``hf_dir`` is touched.
+    ``save_checkpoint``). A bad size, a ``dtype`` that is not floating, or
+    ``metadata`` the index cannot hold and read back (a numpy scalar, NaN)
+    raises before ``hf_dir`` is touched.
     """
     max_shard_bytes = shard_size_bytes(max_shard_size)
+    check_export_dtype(dtype, safetensors)
     store, root = storage_for(dist_dir)
     not_files = non_regular_problems(store, root)
     if not_files:
@@ -82,30 +88,65 @@ def distributed_to_hf(
         source = open_checkpoint(dist_dir)
     with source:  # one manifest read, each data file opened once for the whole conversion
         _refuse_damaged(source, dist_dir, hf_dir)
-        lazy: Dict[str, LazyTensor] = {}
-        for name, saved in source.manifest.tensors.items():
-            shape = tuple(saved.spec.full_shape)
-            load = (lambda n=name, s=shape: source.region(n, [0] * len(s), list(s)))
-            lazy[name] = LazyTensor(source.dtype(name), shape, load)
-        plan = plan_shards([(n, t.nbytes) for n, t in lazy.items()], max_shard_bytes)
-        weight_map = {n: shard_file_name(i + 1, len(plan), safetensors) for i, names in enumerate(plan) for n in names}
-        index_data = index_json({"metadata": _converted_meta(lazy, source, metadata), "weight_map": weight_map},
-                                index_file_name(safetensors))  # refused here, before hf_dir changes
-        store, root = storage_for(hf_dir)
-        with store.writer_lock(root, holder="shardkit.hf.distributed_to_hf"):
-            _remove_previous(store, root)
-            for file_name, names in files_to_names(weight_map, weight_map).items():
-                _write_converted(store, store.join(root, file_name), {n: lazy[n] for n in names}, safetensors)
-            write_index_json(index_data, hf_dir, index_file_name(safetensors))
+        names = select_model_names(source.manifest.tensors, prefix)
+        lazy = {new: _lazy(source, old, dtype) for old, new in names.items()}
+        plan = plan_export([(n, t.nbytes) for n, t in lazy.items()], 1, max_shard_bytes, safetensors)
+        meta = _converted_meta(source.manifest.objects, source.manifest.tensors, names, metadata)
+        index_data = export_index(plan.weight_map, {n: t.nbytes for n, t in lazy.items()}, meta, None, safetensors)
+        configs = {"config.json": read_config_file(config)} if config else {}
+        out_store, out_root = storage_for(hf_dir)
+        with out_store.writer_lock(out_root, holder="shardkit.hf.distributed_to_hf"):
+            remove_previous(out_store, out_root)
+            write_export(out_store, out_root, [(f.name, f.names) for f in plan.files], lazy.__getitem__, index_data,
+                         configs, safetensors)
 
 
-def _converted_meta(lazy: Dict[str, LazyTensor], source, metadata: Optional[Dict]) -> dict:
+def _lazy(source, name: str, dtype: Optional[torch.dtype]) -> LazyTensor:
+    shape = tuple(source.manifest.tensors[name].spec.full_shape)
+    saved = source.dtype(name)
+    wanted = out_dtype(saved, dtype)
+
+    def load() -> torch.Tensor:
+        whole = source.region(name, [0] * len(shape), list(shape))
+        return whole if wanted == saved else whole.to(wanted)
+
+    return LazyTensor(wanted, shape, load)
+
+
+def _converted_meta(objects: dict, all_names, names: dict, metadata: Optional[Dict]) -> Optional[dict]:
+    """``metadata`` plus the saved plain values beside the exported tensors, as ``shardkit_objects``.
+
+    The values follow the tensors: under the prefix they were stripped of
+    (stripped too), and not under a top-level name whose tensors were left out (``optim``, ``step``).
+    """
     if metadata is not None and not isinstance(metadata, dict):
         raise MetadataError(f"metadata must be a dict (or None), got {type(metadata).__name__}: {str(metadata)[:80]}")
-    meta = {"total_size": sum(t.nbytes for t in lazy.values()), **(metadata or {})}
-    if source.manifest.objects:
-        meta["shardkit_objects"] = source.manifest.objects
-    return meta
+    old, new = next(iter(names.items()), ("", ""))
+    stripped = old[: len(old) - len(new)]
+    left_out = {n.split(".", 1)[0] for n in all_names} - {n.split(".", 1)[0] for n in names}
+    kept = {n[len(stripped):]: v for n, v in objects.items()
+            if n.startswith(stripped) and len(n) > len(stripped) and n.split(".", 1)[0] not in left_out}
+    return {**(metadata or {}), "shardkit_objects": kept} if kept else metadata
+
+
+def read_config_file(config: str) -> bytes:
+    """The bytes of a (small, JSON) ``config.json`` at a path or URL, to write beside exported weights.
+
+    Refused with ``MetadataError``: a file over ``knobs.MAX_INDEX_BYTES`` or one that is not a JSON object.
+    """
+    import json
+
+    from shardkit import knobs
+
+    store, path = storage_for(config)
+    data = store.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES)
+    try:
+        ok = isinstance(json.loads(data), dict)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise MetadataError(f"{config} is not a JSON object; a config.json is one (e.g. {{\"model_type\": ...}})")
+    return data
 
 
 def _refuse_damaged(source, dist_dir: str, hf_dir: str) -> None:
@@ -116,15 +157,6 @@ def _refuse_damaged(source, dist_dir: str, hf_dir: str) -> None:
         if problems:
             raise IncompleteCheckpointError(f"{dist_dir} is damaged: {problems[0]}. Nothing in {hf_dir} was "
                                             f"touched; convert an earlier checkpoint.")
-
-
-def _write_converted(store, path: str, tensors: Dict[str, LazyTensor], safetensors: bool) -> None:
-    if safetensors:
-        write_safetensors(store, path, list(tensors.items()), {"format": "pt"}, checksum=False)
-    else:
-        from shardkit.hf.bin_io import write_bin_shard
-
-        write_bin_shard(store, path, {n: t.load() for n, t in tensors.items()})
 
 
 def load_distributed_flat(dist_dir: str, keys=None) -> Dict[str, torch.Tensor]:

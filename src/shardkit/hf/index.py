@@ -49,6 +49,7 @@ __all__ = [
     "load_shard_index",
     "check_index",
     "sharing_of",
+    "sharing_for",
 ]
 
 StateDictLike = Union[Module, Dict[str, Tensor]]
@@ -178,7 +179,7 @@ def make_shard_index(
     if metadata is not None and not isinstance(metadata, dict):
         raise MetadataError(f"metadata must be a dict (or None), got {type(metadata).__name__}: {str(metadata)[:80]}")
     max_shard_bytes = shard_size_bytes(max_shard_size)
-    sharing = _sharing_for(state_dictionaries, param_sharing_metadata)
+    sharing = sharing_for(state_dictionaries, param_sharing_metadata)
     skip = set(alias_to_source(sharing))
     plans = [
         plan_shards([(n, _nbytes(t)) for n, t in sd.items() if n not in skip], max_shard_bytes)
@@ -202,7 +203,9 @@ def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _sharing_for(state_dictionaries, explicit) -> SharingMetadataT:
+def sharing_for(state_dictionaries, explicit: Optional[SharingMetadataT]) -> SharingMetadataT:
+    """The tie groups an index records: ``explicit`` cut to the names present (with a ``UserWarning`` for
+    absent ones), or, when None, the groups of tensors over the same memory (DTensors: their local parts)."""
     if explicit is not None:
         return _present_sharing(explicit, {n for sd in state_dictionaries for n in sd})
     groups: SharingMetadataT = []

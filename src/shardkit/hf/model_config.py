@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from torch.nn import Module
@@ -30,20 +30,23 @@ from shardkit.errors import MetadataError
 __all__ = ["model_config_files", "write_model_config_files"]
 
 
-def model_config_files(module: object) -> Dict[str, bytes]:
+def model_config_files(module: object, *, dtype: Optional[torch.dtype] = None) -> Dict[str, bytes]:
     """``{file name: bytes}`` that ``save_pretrained`` would write for ``module``'s configs; ``{}`` if it has none.
 
     Only an ``nn.Module`` with a ``config`` that has ``save_pretrained`` (a
     ``transformers`` config) counts; ``generation_config`` is added when the
-    module has one and, if it says, ``can_generate()``. Raises
-    ``MetadataError`` when ``transformers`` refuses to save the config.
+    module has one and, if it says, ``can_generate()``. The config's
+    ``dtype`` is ``dtype`` when given (the weights are saved cast to it),
+    else the module's. An FSDP2 module (class ``FSDP<Name>``) is recorded
+    as ``<Name>``. Raises ``MetadataError`` when ``transformers`` refuses to
+    save the config.
     """
     config = getattr(module, "config", None)
     if not isinstance(module, Module) or not callable(getattr(config, "save_pretrained", None)):
         return {}
     config = copy.deepcopy(config)  # save_pretrained writes these two into the model's config; we do not
     config.architectures = [type(module).__name__.removeprefix("FSDP")]
-    dtype = getattr(module, "dtype", None)
+    dtype = dtype if dtype is not None else getattr(module, "dtype", None)
     if isinstance(dtype, torch.dtype):
         config.dtype = str(dtype).split(".")[1]
     to_save = [config]

@@ -18,17 +18,16 @@ Example::
 
 from __future__ import annotations
 
-import re
 from typing import Dict, Optional, Union
 
+import torch
 from torch import Tensor
 from torch.nn import Module
 
 from shardkit.errors import TensorMismatchError
-from shardkit.hf.bin_io import write_bin_shard
+from shardkit.hf.export_plan import out_dtype
+from shardkit.hf.export_write import cast_lazy, remove_previous, write_export, write_files
 from shardkit.hf.index import (
-    BIN_INDEX_NAME,
-    SAFE_INDEX_NAME,
     ShardIndex,
     SharingMetadataT,
     StateDictLike,
@@ -37,18 +36,17 @@ from shardkit.hf.index import (
     index_file_name,
     index_json,
     make_shard_index,
+    shard_size_bytes,
+    sharing_for,
     sharing_of,
-    write_index_json,
 )
-from shardkit.hf.save_checks import RESERVED_TENSOR_NAME, check_savable_tensors
-from shardkit.hf.model_config import model_config_files, write_model_config_files
-from shardkit.storage import write_safetensors
+from shardkit.hf.job_save import holds_dtensors, save_in_job
+from shardkit.hf.model_config import model_config_files
+from shardkit.hf.save_checks import RESERVED_TENSOR_NAME, check_export_dtype, check_savable_tensors
 from shardkit.hf.sharing import create_sharing_metadata
 from shardkit.storage import storage_for
 
 __all__ = ["save_checkpoint", "save_sharded_checkpoint", "state_dict_of"]
-
-_SHARD_RE = re.compile(r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)$")
 
 
 def state_dict_of(module: StateDictLike) -> Dict[str, Tensor]:
@@ -84,6 +82,8 @@ def save_checkpoint(
     param_sharing_metadata: Optional[SharingMetadataT] = None,
     *,
     sync_files: bool = True,
+    dtype: Optional[torch.dtype] = None,
+    group=None,
 ) -> None:
     """Write ``module`` (an ``nn.Module`` or a name -> tensor dict) to ``output_dir``.
 
@@ -97,6 +97,19 @@ def save_checkpoint(
     ``config.json`` and ``generation_config.json`` are written too, as
     ``save_pretrained`` writes them, so ``from_pretrained(output_dir)`` loads
     the checkpoint; nothing else is (no tokenizer, no optimizer state).
+    ``dtype`` (e.g. ``torch.bfloat16``) casts every floating tensor on the
+    way out (integer tensors keep theirs; the module is not changed) and is
+    recorded as the config's ``dtype``.
+
+    **In a job.** When the state holds DTensors (an FSDP2, HSDP or
+    tensor-parallel module, or ``get_state_dict``'s dict of one) the save is
+    a collective over ``group`` (None: the default process group), which
+    every rank must call: each rank writes the whole tensors assigned to it
+    (balanced by bytes), gathering the parts it lacks from the ranks holding
+    them, and rank 0 writes the index once every rank's files are complete.
+    No rank ever holds the whole model (see ``hf/job_save.py`` for the memory
+    bound). All ranks must see ``output_dir`` (a shared file system or URL).
+    A state without DTensors is saved by the calling process alone, as before.
 
     Every file is published atomically (written under a temporary name, then
     renamed; the index last). ``sync_files`` (default) also fsyncs each file
@@ -108,23 +121,43 @@ def save_checkpoint(
     :class:`~shardkit.errors.CheckpointBusyError` while another save writes
     it; :class:`~shardkit.errors.TensorMismatchError` for a tensor the format
     cannot store (meta device, sparse, a dtype such as complex128 in
-    safetensors) or named ``__metadata__``; :class:`~shardkit.errors.MetadataError`
-    for ``metadata`` the index cannot hold and read back (a numpy scalar,
-    NaN, an infinity).
+    safetensors) or named ``__metadata__``, or a ``dtype`` that is not a
+    floating dtype; :class:`~shardkit.errors.MetadataError` for ``metadata``
+    the index cannot hold and read back (a numpy scalar, NaN, an infinity).
+    In a job, the same error on every rank.
+
+    Example (on every rank of an FSDP2 job, or in one process)::
+
+        save_checkpoint("export/hf", model, safetensors=True, dtype=torch.bfloat16)
+        AutoModelForCausalLM.from_pretrained("export/hf")
     """
     # Everything that can be refused is refused before the lock: the previous checkpoint stays whole.
     sd = state_dict_of(module)
     check_savable_tensors(sd, safetensors)
-    sharing = _sharing(module, include_param_sharing, param_sharing_metadata)
-    index = make_shard_index([sd], metadata, safetensors, max_shard_size, sharing)
+    check_export_dtype(dtype, safetensors)
+    sharing = sharing_for([sd], _sharing(module, include_param_sharing, param_sharing_metadata))
+
+    def configs_of() -> Dict[str, bytes]:  # a config transformers refuses stops the save before any write
+        return model_config_files(module, dtype=dtype)
+
+    if holds_dtensors(sd):
+        aliases = alias_to_source(sharing)
+        save_in_job(output_dir, sd, stored=[n for n in sd if n not in aliases], sharing=sharing, metadata=metadata,
+                    safetensors=safetensors, max_shard_bytes=shard_size_bytes(max_shard_size), dtype=dtype,
+                    configs_of=configs_of, group=group, durable=sync_files, debug=debug)
+        return
+    cast = {n: out_dtype(t.dtype, dtype) for n, t in sd.items()}
+    shapes = {n: torch.empty(t.shape, dtype=cast[n], device="meta") for n, t in sd.items()}
+    index = make_shard_index([shapes], metadata, safetensors, max_shard_size, sharing)
     index_data = index_json(index, index_file_name(safetensors))
-    configs = model_config_files(module)  # a config transformers refuses stops the save here
+    configs = configs_of()
+    weight_map = index["weight_map"]
     store, root = storage_for(output_dir)
     with store.writer_lock(root, holder="shardkit.hf.save_checkpoint"):
-        _remove_previous(store, root)
-        save_sharded_checkpoint(output_dir, index, sd, safetensors=safetensors, debug=debug, sync_files=sync_files)
-        write_model_config_files(store, root, configs, sync_files)
-        write_index_json(index_data, output_dir, index_file_name(safetensors), sync_files=sync_files)
+        remove_previous(store, root)
+        write_export(store, root, list(files_to_names(weight_map, weight_map).items()),
+                     lambda n: cast_lazy(sd[n], cast[n]), index_data, configs, safetensors, durable=sync_files,
+                     debug=debug)
 
 
 def _sharing(module, include: bool, explicit: Optional[SharingMetadataT]) -> Optional[SharingMetadataT]:
@@ -133,17 +166,6 @@ def _sharing(module, include: bool, explicit: Optional[SharingMetadataT]) -> Opt
     if not include:
         return []
     return create_sharing_metadata(module) if isinstance(module, Module) else None
-
-
-def _remove_previous(store, root: str) -> None:
-    # Index first: from this moment the directory is not a checkpoint, never a mix of two.
-    for name in (SAFE_INDEX_NAME, BIN_INDEX_NAME):
-        path = store.join(root, name)
-        if store.exists(path):
-            store.remove(path)
-    for name in store.listdir(root):
-        if _SHARD_RE.match(name):
-            store.remove(store.join(root, name))
 
 
 def save_sharded_checkpoint(
@@ -175,8 +197,7 @@ def save_sharded_checkpoint(
             f"{len(unknown)} tensors are not in the shard index (e.g. {unknown[:5]}); they would be "
             f"lost. Build the index from this state (make_shard_index) or drop them first."
         )
-    store, root = storage_for(output_dir)
-    store.makedirs(root)
+    mine = []
     for file_name, names in files_to_names(weight_map, weight_map).items():
         held = [n for n in names if n in sd]
         if not held:
@@ -188,13 +209,7 @@ def save_sharded_checkpoint(
                 f"(missing e.g. {missing[:5]}); every shard must be written by one rank. Build the "
                 f"index with one state dict per rank so each rank gets its own files."
             )
-        _write_file(store, store.join(root, file_name), {n: sd[n] for n in names}, safetensors, debug, sync_files)
-
-
-def _write_file(store, path: str, tensors: Dict[str, Tensor], safetensors: bool, debug: bool, durable: bool) -> None:
-    if debug:
-        print(f"shardkit.hf: writing {len(tensors)} tensors to {path}")
-    if safetensors:
-        write_safetensors(store, path, list(tensors.items()), {"format": "pt"}, checksum=False, durable=durable)
-    else:
-        write_bin_shard(store, path, tensors, durable)
+        mine.append((file_name, names))
+    store, root = storage_for(output_dir)
+    store.makedirs(root)
+    write_files(store, root, mine, sd.__getitem__, safetensors, durable=sync_files, debug=debug)

@@ -28,7 +28,7 @@ from shardkit.dtypes import DTYPE_TO_NAME
 from shardkit.errors import TensorMismatchError
 from shardkit.storage.json_io import short_repr
 
-__all__ = ["RESERVED_TENSOR_NAME", "check_savable_tensors", "json_problem"]
+__all__ = ["RESERVED_TENSOR_NAME", "check_savable_tensors", "check_export_dtype", "json_problem"]
 
 #: The key a safetensors header keeps its string metadata under; a tensor of that name would replace it.
 RESERVED_TENSOR_NAME = "__metadata__"
@@ -45,6 +45,20 @@ def check_savable_tensors(sd: Dict[str, Tensor], safetensors: bool) -> None:
         problem = _tensor_problem(tensor, safetensors)
         if problem:
             raise TensorMismatchError(f"tensor {name!r} {problem}. Nothing was written.")
+
+
+def check_export_dtype(dtype: object, safetensors: bool) -> None:
+    """Raise :class:`TensorMismatchError` unless ``dtype`` (``save_checkpoint(dtype=...)``) is None or a
+    floating ``torch.dtype`` the chosen format stores: floating tensors are cast to it, others kept."""
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TensorMismatchError(
+            f"dtype={dtype!r}: an export casts its floating tensors to a floating torch.dtype (integer tensors keep "
+            f"theirs); pass e.g. torch.bfloat16 or torch.float16, or None to keep every dtype. Nothing was written.")
+    if safetensors and dtype not in DTYPE_TO_NAME:
+        raise TensorMismatchError(f"dtype={dtype}: safetensors cannot store it; pass e.g. torch.bfloat16. "
+                                  f"Nothing was written.")
 
 
 def _tensor_problem(tensor: Tensor, safetensors: bool) -> Optional[str]:

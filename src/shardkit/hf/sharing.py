@@ -18,6 +18,7 @@ from typing import List
 from torch import Tensor
 from torch.nn import Module
 
+from shardkit.checkpoint.dtensor_layout import is_dtensor
 from shardkit.errors import TensorMismatchError
 from shardkit.storage.destinations import memory_identity
 
@@ -31,12 +32,23 @@ def find_shared_groups(named_tensors: list[tuple[str, Tensor]]) -> List[List[str
     """Groups (in first-seen order) of names whose tensors are the same view of the same memory.
 
     Tensors that merely overlap (a slice of another) are not grouped; they
-    are written as separate copies.
+    are written as separate copies. A DTensor (FSDP2, TP) is compared by its
+    local part (``to_local()``): it has no memory of its own to ask about.
     """
     by_identity: dict[tuple, list[str]] = {}
     for name, tensor in named_tensors:
-        by_identity.setdefault(memory_identity(tensor), []).append(name)
+        by_identity.setdefault(_identity(tensor), []).append(name)
     return [names for names in by_identity.values() if len(names) > 1]
+
+
+def _identity(tensor: Tensor) -> tuple:
+    if not is_dtensor(tensor):
+        return memory_identity(tensor)
+    local = tensor.to_local()
+    if local.numel() == 0 and local.device.type != "meta" and local.untyped_storage().nbytes():
+        # a rank's empty shard still lies in its parameter's padded storage: tied names share that
+        return ("dtensor", str(local.device), local.untyped_storage().data_ptr(), local.storage_offset(), local.dtype)
+    return ("dtensor", *memory_identity(local))
 
 
 def create_sharing_metadata(model: Module) -> List[List[str]]:

@@ -26,11 +26,12 @@ import torch
 
 from shardkit.dtypes import itemsize_bytes
 from shardkit.errors import TensorMismatchError
+from shardkit.hf.export_plan import TRAINING_STATE_NAMES, out_dtype, select_model_names
 from shardkit.offline.publish import publish_directory
 from shardkit.offline.readahead import ReadAhead
 from shardkit.storage import LazyTensor, storage_for, write_safetensors
 
-__all__ = ["reshard_checkpoint", "export_hf", "export_distributed", "select_names"]
+__all__ = ["reshard_checkpoint", "export_hf", "export_distributed", "select_names", "TRAINING_STATE_NAMES"]
 
 log = logging.getLogger("shardkit.offline")
 Progress = Optional[Callable[[int], None]]   # called with the bytes just written
@@ -158,45 +159,13 @@ def _chunk_split_dim(saved) -> Optional[int]:
     return dims.pop() if len(dims) == 1 else None
 
 
-#: Top-level names of a training checkpoint's state beside its model (``prefix=None`` leaves them out).
-TRAINING_STATE_NAMES = frozenset({
-    "optim", "optimizer", "optimizers", "optim_state", "optimizer_state", "lr_scheduler", "scheduler",
-    "schedulers", "scaler", "grad_scaler", "step", "epoch", "rng", "rng_state", "dataloader", "trainer",
-    "extra_state", "train_state",
-})
-
-
 def select_names(names, prefix: Optional[str]) -> dict[str, str]:
-    """``source name -> exported name``: only names in the subtree ``prefix`` (stripped); all names when None.
-
-    ``prefix`` is a subtree: ``"model"`` means ``"model."``. ``prefix=None``
-    picks ``"model."`` only when every other top-level name is known
-    training state (:data:`TRAINING_STATE_NAMES`: optimizer, scheduler,
-    step, ...), saying what it leaves out; otherwise everything is exported
-    as named (a Hugging Face model's ``model.*`` beside ``lm_head.weight``
-    keeps both).
+    """``source name -> exported name``; :func:`shardkit.hf.export_plan.select_model_names` (kept under this name).
 
     >>> sorted(select_names(["model.w", "optim.w_m"], None).items())
     [('model.w', 'w')]
-    >>> sorted(select_names(["model.w", "lm_head.weight"], None))
-    ['lm_head.weight', 'model.w']
     """
-    names = list(names)
-    if prefix is None:
-        tops = {n.split(".", 1)[0] for n in names}
-        if "model" in tops and len(tops) > 1 and tops - {"model"} <= TRAINING_STATE_NAMES:
-            prefix = "model."
-            log.warning("exporting the model subtree only (prefix 'model.', stripped), leaving out %s; "
-                        "pass --prefix '' to export everything", ", ".join(sorted(tops - {"model"})))
-    if not prefix:
-        return {n: n for n in names}
-    prefix = prefix if prefix.endswith(".") else prefix + "."
-    chosen = {n: n[len(prefix):] for n in names if n.startswith(prefix) and len(n) > len(prefix)}
-    if not chosen:
-        tops = sorted({n.split(".", 1)[0] + "." for n in names})
-        raise TensorMismatchError(f"no tensor name starts with {prefix!r}; the checkpoint's top-level "
-                                  f"prefixes are {tops[:10]}")
-    return chosen
+    return select_model_names(names, prefix)
 
 
 def export_hf(src: str, dst: str, *, kind: Optional[str] = None, prefix: Optional[str] = None,
@@ -204,47 +173,50 @@ def export_hf(src: str, dst: str, *, kind: Optional[str] = None, prefix: Optiona
               config: Optional[str] = None, progress: Progress = None) -> None:
     """Export the model in any checkpoint ``src`` (distributed, HF, DCP) as a Hugging Face checkpoint ``dst``.
 
-    Takes the subtree under ``prefix`` and strips it (see :func:`select_names`:
-    a training checkpoint's optimizer state is left out), casts floating
-    tensors to ``dtype`` when given, writes ``model-0000i-of-0000n.safetensors``
-    shards of at most ``max_shard_bytes`` and the index, and copies
-    ``config`` (or a ``config.json`` found in ``src``). Plain values are not exported.
+    The model tensors only, by default: ``prefix`` as
+    :func:`~shardkit.hf.export_plan.select_model_names` reads it (None: no
+    optimizer state, no ``__rank_state__``, a lone ``model.`` subtree
+    stripped; ``""``: every tensor as named). Casts floating tensors to
+    ``dtype`` when given, writes ``model-0000i-of-0000n.safetensors`` shards
+    of at most ``max_shard_bytes`` through the one HF writer
+    (:mod:`shardkit.hf.export_write`, as ``save_checkpoint`` and
+    ``distributed_to_hf`` do) and the index last, and copies ``config`` (or
+    a ``config.json`` found in ``src``). Each tensor is read while the one
+    before is written (:class:`~shardkit.offline.readahead.ReadAhead`).
+    Plain values are not exported. ``dst`` must not exist; it appears
+    complete and checked, or not at all.
 
     >>> export_hf("dcp_ckpt", "hf_out", prefix="model.", dtype=torch.bfloat16)
     """
-    from shardkit.hf.index import index_file_name, plan_shards, save_shard_index, shard_file_name
+    from shardkit.hf.convert import read_config_file
+    from shardkit.hf.export_plan import plan_export
+    from shardkit.hf.export_write import export_index, write_export, write_order
+    from shardkit.hf.save_checks import check_export_dtype
     from shardkit.sources import open_source
 
+    check_export_dtype(dtype, True)
     with open_source(src, kind) as source:
         infos = source.tensors()
-        names = select_names(infos, prefix)
-        out_dtypes = {new: _out_dtype(infos[old].dtype, dtype) for old, new in names.items()}
-        sizes = [(n, itemsize_bytes(out_dtypes[n]) * _numel(infos[old].shape)) for old, n in names.items()]
-        plan = plan_shards(sizes, max_shard_bytes)
-        weight_map = {n: shard_file_name(i + 1, len(plan), True) for i, ns in enumerate(plan) for n in ns}
+        names = select_model_names(infos, prefix)
         old_of = {new: old for old, new in names.items()}
-        items = [(n, out_dtypes[n], tuple(infos[old_of[n]].shape), _filler(source, old_of[n], infos[old_of[n]].dtype))
-                 for ns in plan for n in _writer_order(ns, out_dtypes.__getitem__)]
+        dtypes = {new: out_dtype(infos[old].dtype, dtype) for old, new in names.items()}
+        shapes = {new: tuple(infos[old].shape) for old, new in names.items()}
+        nbytes = {n: itemsize_bytes(dtypes[n]) * _numel(shapes[n]) for n in dtypes}
+        plan = plan_export(list(nbytes.items()), 1, max_shard_bytes, True)
+        files = [(f.name, write_order(f.names, dtypes.__getitem__, shapes.__getitem__)) for f in plan.files]
+        items = [(n, dtypes[n], shapes[n], _filler(source, old_of[n], infos[old_of[n]].dtype))
+                 for _, ns in files for n in ns]
+        index_data = export_index(plan.weight_map, nbytes, None, None, True)
         config = config or _config_beside(src)
+        configs = {"config.json": read_config_file(config)} if config else {}
 
         def build(tmp: str) -> None:
             storage, root = storage_for(tmp)
             with ReadAhead(items) as ahead:
-                for i, ns in enumerate(plan):
-                    path = storage.join(root, shard_file_name(i + 1, len(plan), True))
-                    log.info("writing %s (%d tensors)", path, len(ns))
-                    write_safetensors(storage, path, [(n, _tick(progress, ahead.lazy(n))) for n in ns],
-                                      {"format": "pt"}, checksum=False)
-            meta = {"total_size": sum(b for _, b in sizes)}
-            save_shard_index({"metadata": meta, "weight_map": weight_map}, tmp, index_file_name(True))
-            if config:
-                _copy_config(config, storage, storage.join(root, "config.json"))
+                write_export(storage, root, files, lambda n: _tick(progress, ahead.lazy(n)), index_data, configs,
+                             True)
 
         publish_directory(dst, build, _check_hf)
-
-
-def _out_dtype(saved: torch.dtype, wanted: Optional[torch.dtype]) -> torch.dtype:
-    return wanted if wanted is not None and saved.is_floating_point else saved
 
 
 def _filler(source, name: str, saved_dtype: torch.dtype):
@@ -261,16 +233,6 @@ def _config_beside(src: str) -> Optional[str]:
     storage, root = storage_for(src)
     path = storage.join(root, "config.json")
     return path if storage.exists(path) and not storage.isdir(path) else None
-
-
-def _copy_config(config: str, storage, path: str) -> None:
-    """Copy the (small, JSON) ``config`` file, local or a URL, to ``path`` of ``storage``."""
-    from shardkit import knobs
-
-    source, source_path = storage_for(config)
-    data = source.read_bytes(source_path, max_bytes=knobs.MAX_INDEX_BYTES)
-    with storage.atomic_writer(path) as f:
-        f.write(data)
 
 
 def _check_hf(tmp: str) -> list:
@@ -300,7 +262,7 @@ def export_distributed(src: str, dst: str, *, kind: Optional[str] = None, dtype:
         entries, fills = {}, {}
         for name, info in source.tensors().items():
             spec = TensorShardSpec(tuple(info.shape), None, ())
-            entries[name] = (_out_dtype(info.dtype, dtype), spec, lambda r, s=info.shape: tuple(whole_box(s)))
+            entries[name] = (out_dtype(info.dtype, dtype), spec, lambda r, s=info.shape: tuple(whole_box(s)))
             fills[name] = _filler(source, name, info.dtype)
         objects, structure = _leaf_objects(src, list(entries), source.objects(), source.structure())
         user_metadata = source.user_metadata()
