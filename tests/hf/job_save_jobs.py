@@ -56,12 +56,32 @@ def mixed_full() -> dict:
     }
 
 
-def save_mixed(rank, world_size, out_dir, max_shard_size):
+def mixed_state(world_size: int) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
     place = {"rows": Shard(0), "cols": Shard(1), "tiny": Shard(0), "same": Replicate(), "ids": Shard(0)}
-    sd = {n: distribute_tensor(t, mesh, [place[n]]) if n in place else t for n, t in mixed_full().items()}
-    save_checkpoint(out_dir, sd, safetensors=True, dtype=torch.float16, max_shard_size=max_shard_size)
+    return {n: distribute_tensor(t, mesh, [place[n]]) if n in place else t for n, t in mixed_full().items()}
+
+
+def save_mixed(rank, world_size, out_dir, max_shard_size, safetensors):
+    save_checkpoint(out_dir, mixed_state(world_size), safetensors=safetensors, dtype=torch.float16,
+                    max_shard_size=max_shard_size)
     return True
+
+
+def save_failing_on_rank_1(rank, world_size, out_dir):
+    """Rank 1's disk is full: every rank must raise (none left waiting) and no index may appear."""
+    import shardkit.hf.export_write as writer
+
+    if rank == 1:
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        writer.write_safetensors = full_disk
+    try:
+        save_checkpoint(out_dir, mixed_state(world_size), safetensors=True, max_shard_size=60)
+    except Exception as e:  # noqa: BLE001 - the test checks its type and message
+        return type(e).__name__, str(e)
+    return None
 
 
 def save_mismatched(rank, world_size, out_dir):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from job_save_jobs import mixed_full, save_fsdp_llama, save_mismatched, save_mixed
+from job_save_jobs import mixed_full, save_failing_on_rank_1, save_fsdp_llama, save_mismatched, save_mixed
 from ranks import run_ranks
 from shardkit.errors import TensorMismatchError
 from shardkit.hf import load_checkpoint, load_shard_index, save_checkpoint, validate_checkpoint
@@ -83,17 +83,26 @@ def test_an_fsdp2_llama_saved_from_every_rank_loads_in_from_pretrained_with_equa
     assert torch.equal(_logits(loaded, ids), _logits(_reference(full, tied, str(tmp_path / "ref")), ids))
 
 
-def test_shard_replicate_and_plain_parts_are_assembled_and_cast(tmp_path):
+@pytest.mark.parametrize("safetensors", [True, False])
+def test_shard_replicate_and_plain_parts_are_assembled_and_cast(tmp_path, safetensors):
     out = str(tmp_path / "mixed")
-    assert run_ranks(save_mixed, 2, tmp_path, out, 60) == [True, True]
+    assert run_ranks(save_mixed, 2, tmp_path, out, 60, safetensors) == [True, True]
     loaded = load_checkpoint(out)
     full = mixed_full()
     assert set(loaded) == set(full)
     for name, t in full.items():
         want = t.to(torch.float16) if t.is_floating_point() else t
         assert loaded[name].dtype == want.dtype and torch.equal(loaded[name], want), name
-    files = set(load_shard_index(out, INDEX)["weight_map"].values())
+    files = set(load_shard_index(out, INDEX if safetensors else "pytorch_model.bin.index.json")["weight_map"].values())
     assert len(files) > 2  # a small max_shard_size: several files per rank
+
+
+def test_a_rank_that_fails_to_write_fails_the_save_on_every_rank_and_no_index_appears(tmp_path):
+    out = str(tmp_path / "hf")
+    results = run_ranks(save_failing_on_rank_1, 2, tmp_path, out)
+    assert results[1][0] == "OSError"
+    assert results[0][0] == "CheckpointError" and "rank 1" in results[0][1] and "No space left" in results[0][1]
+    assert not os.path.exists(os.path.join(out, INDEX)) and not validate_checkpoint(out)
 
 
 def test_ranks_that_would_save_different_states_all_refuse_and_keep_the_previous_checkpoint(tmp_path):
