@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from shardkit.checkpoint import CheckpointManager, validate_distributed
+from shardkit.checkpoint.ownership import OWNER_FILE
 from shardkit.errors import CheckpointError, CheckpointExistsError, MetadataError
 
 
@@ -49,6 +50,7 @@ def test_incomplete_step_is_ignored_then_cleaned(tmp_path):
     mgr.wait()
     crashed = tmp_path / "step-2"
     crashed.mkdir()
+    (crashed / OWNER_FILE).write_text("{}")   # a manager's save marks its directory before any data byte
     (crashed / "rank_0.safetensors").write_bytes(b"half")
     assert mgr.steps() == [1]
     target = _state(0)
@@ -65,7 +67,7 @@ def test_saving_a_step_again_replaces_a_crashed_one(tmp_path):
     (tmp_path / "step-4" / "rank_7.safetensors").write_bytes(b"leftover of a bigger job")
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(4, _state(4, 4))
-    assert sorted(os.listdir(tmp_path / "step-4")) == ["metadata.json", "rank_0.safetensors"]
+    assert sorted(os.listdir(tmp_path / "step-4")) == [OWNER_FILE, "metadata.json", "rank_0.safetensors"]
 
 
 @pytest.mark.parametrize("async_save", [True, False])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from shardkit.checkpoint.manager_rotation import owned_name, steps_to_remove
+from shardkit.checkpoint.manager_rotation import steps_to_remove
+from shardkit.checkpoint.ownership import foreign_names, is_own_name
+from shardkit.storage import temp_name
 
 
 def test_keeps_the_newest_and_the_best_and_removes_old_crashes():
@@ -33,6 +35,11 @@ def test_never_removes_what_a_restore_or_a_save_needs(steps, data):
         assert gone == []
 
 
-def test_owned_names_are_step_dirs_and_temporaries_only():
-    assert owned_name("step-0") and owned_name("step-12")
-    assert not owned_name("step-012") and not owned_name("other-run") and not owned_name("step-1x")
+def test_own_names_are_the_files_a_save_writes_only():
+    for name in ("metadata.json", ".shardkit-checkpoint", "rank_0.safetensors", "rank_12.json",
+                 ".shardkit-writer.lock", ".shardkit-writer-3.lock", temp_name("rank_0.safetensors")):
+        assert is_own_name(name), name
+    for name in (".metadata", "__0_0.distcp", "model.safetensors.index.json", "NOTES.txt", "rank_01.safetensors",
+                 "rank_0.safetensors.bak", "config.json"):
+        assert not is_own_name(name), name
+    assert foreign_names(["rank_0.safetensors", "NOTES.txt", ".metadata"]) == [".metadata", "NOTES.txt"]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from shardkit.checkpoint import CheckpointManager, validate_distributed
+from shardkit.checkpoint.ownership import OWNER_FILE
 from shardkit.storage import temp_name
 
 
@@ -43,7 +44,7 @@ def test_rotation_deletes_every_object_of_the_rotated_steps(s3_url, s3fs_client,
     for step, loss in [(1, 9.0), (2, 1.0), (3, 5.0)]:
         mgr.save(step, _state(step), metrics={"loss": loss})
     mgr.wait()
-    per_step = ["metadata.json", "rank_0.safetensors"]
+    per_step = [OWNER_FILE, "metadata.json", "rank_0.safetensors"]
     before = _objects(s3fs_client, s3_url)
     assert before == [f"step-{s}/{n}" for s in (2, 3) for n in per_step]      # 1 rotated: neither last nor best
     mgr.save(4, _state(4), metrics={"loss": 7.0})
@@ -67,7 +68,7 @@ def test_resume_from_the_latest_complete_step_after_a_killed_save(s3_url, s3fs_c
     if at == "mid_upload":   # the data object is an incomplete upload: invisible, but there
         assert _uploads(s3fs_client, s3_url) and not s3fs_client.exists(_key(step3) + "/rank_0.safetensors")
     else:                    # the data object is complete, the commit is not
-        assert _objects(s3fs_client, step3) == ["rank_0.safetensors"]
+        assert _objects(s3fs_client, step3) == [OWNER_FILE, "rank_0.safetensors"]
     assert not validate_distributed(step3).ok
     mgr = CheckpointManager(s3_url, keep_last=5, async_save=False)
     assert mgr.steps() == [1, 2] and mgr.latest_step() == 2
@@ -90,7 +91,7 @@ def test_saving_the_killed_step_again_clears_its_leftovers(s3_url, s3fs_client):
     with CheckpointManager(s3_url, keep_last=5) as mgr:
         mgr.save(3, {"w": torch.full((10,), 3.0), "step": 3})
     assert mgr.steps() == [1, 2, 3] and not _uploads(s3fs_client, s3_url)
-    assert _objects(s3fs_client, s3_url + "/step-3") == ["metadata.json", "rank_0.safetensors"]
+    assert _objects(s3fs_client, s3_url + "/step-3") == [OWNER_FILE, "metadata.json", "rank_0.safetensors"]
 
 
 def test_a_step_missing_a_data_object_or_truncated_or_temporary_is_skipped(s3_url, s3fs_client):
@@ -101,6 +102,7 @@ def test_a_step_missing_a_data_object_or_truncated_or_temporary_is_skipped(s3_ur
     data = s3fs_client.cat(_key(s3_url) + "/step-2/rank_0.safetensors")
     s3fs_client.pipe(_key(s3_url) + "/step-2/rank_0.safetensors", data[:-8])    # truncated
     s3fs_client.pipe(f"{_key(s3_url)}/{temp_name('step-9')}/metadata.json", b"{}")
+    s3fs_client.pipe(f"{_key(s3_url)}/step-8/{OWNER_FILE}", b"{}")            # a save's mark, then
     s3fs_client.pipe(f"{_key(s3_url)}/step-8/rank_0.safetensors", b"half")     # no commit
     mgr = CheckpointManager(s3_url, keep_last=10, async_save=False)
     assert mgr.steps() == [1] and mgr.latest_step() == 1
@@ -112,7 +114,7 @@ def test_a_step_missing_a_data_object_or_truncated_or_temporary_is_skipped(s3_ur
     left = {p.rsplit("/", 1)[-1] for p in s3fs_client.ls(_key(s3_url), detail=False)}
     assert left == {"step-1", "step-10"}    # incomplete steps rotated, the temporary removed as an orphan
     assert _objects(s3fs_client, s3_url) == [f"step-{s}/{n}" for s in (1, 10)
-                                             for n in ("metadata.json", "rank_0.safetensors")]
+                                             for n in (OWNER_FILE, "metadata.json", "rank_0.safetensors")]
 
 
 def test_a_root_with_glob_characters_rotates_only_its_own_steps(s3_url, s3fs_client):
@@ -127,7 +129,7 @@ def test_a_root_with_glob_characters_rotates_only_its_own_steps(s3_url, s3fs_cli
     assert other.steps() == [1]
     assert mgr.steps() == [3]
     assert _objects(s3fs_client, s3_url) == [f"runs/{run}/step-{s}/{n}" for run, s in (("exp[l]", 3), ("expl", 1))
-                                             for n in ("metadata.json", "rank_0.safetensors")]
+                                             for n in (OWNER_FILE, "metadata.json", "rank_0.safetensors")]
 
 
 def test_rotation_at_a_bucket_root_aborts_only_its_own_incomplete_uploads(s3_server, s3fs_client, monkeypatch):
@@ -139,10 +141,12 @@ def test_rotation_at_a_bucket_root_aborts_only_its_own_incomplete_uploads(s3_ser
 
     bucket = f"root-{os.getpid()}-{len(s3fs_client.ls(''))}"
     make_bucket(bucket)
-    theirs = ["other-job/run/step-7/rank_0.safetensors", "rank_0.safetensors", "step-x/rank_0.safetensors"]
+    theirs = ["other-job/run/step-7/rank_0.safetensors", "rank_0.safetensors", "step-x/rank_0.safetensors",
+              "step-9/__0_0.distcp"]   # another tool's step-9 (no shardkit mark), being uploaded
     mine = ["step-5/rank_0.safetensors", f"{temp_name('step-6')}/rank_0.safetensors"]
     for key in theirs + mine:
         s3fs_client.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    s3fs_client.pipe(f"{bucket}/step-5/{OWNER_FILE}", b"{}")   # a killed save marked its step before uploading
     pages, original = [], aiobotocore.client.AioBaseClient._make_api_call
 
     async def two_a_page(self, operation, params):  # the listing must follow NextKeyMarker

@@ -17,6 +17,7 @@ import torch
 
 import shardkit.checkpoint as ckpt
 import shardkit.hf as hf
+from shardkit.checkpoint.ownership import OWNER_FILE
 from shardkit.cli import main as cli
 from shardkit.errors import CheckpointError
 from shardkit.storage import storage_for, temp_name
@@ -84,7 +85,8 @@ def row_distributed_save_load_reshard_validate(url):
 
 def row_manager(url):
     root = url + "/run"
-    fsspec_pipe(root + "/step-0/rank_0.safetensors", b"a crashed save")
+    fsspec_pipe(root + "/step-0/" + OWNER_FILE, b"{}")                  # a crashed save: its mark,
+    fsspec_pipe(root + "/step-0/rank_0.safetensors", b"a crashed save")  # and half its data
     fsspec_pipe(f"{root}/{temp_name('step-7')}/metadata.json", b"{}")
     with ckpt.CheckpointManager(root, keep_last=2, best=("loss", "min")) as mgr:
         assert mgr.steps() == []

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shardkit.checkpoint import CheckpointManager, load, save, validate_distributed
+from shardkit.checkpoint.ownership import OWNER_FILE
 from shardkit.storage import storage_for
 
 NAMES = ["lr?1", "lr[1]", "exp*", "a[!b]c"]
@@ -71,4 +72,4 @@ def test_a_manager_rooted_at_a_glob_like_name_rotates_only_its_own_steps():
         mgr.wait()
     assert mgr.steps() == [3] and other.steps() == [1]
     assert _files(f"{base}/runs") == [f"{run}/step-{s}/{n}" for run, s in (("exp[l]", 3), ("expl", 1))
-                                      for n in ("metadata.json", "rank_0.safetensors")]
+                                      for n in (OWNER_FILE, "metadata.json", "rank_0.safetensors")]

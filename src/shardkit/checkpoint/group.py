@@ -39,7 +39,7 @@ from shardkit.comm import Group
 from shardkit.comm.process_group_view import ProcessGroupView
 from shardkit.errors import CheckpointError, CommError, MetadataError
 
-__all__ = ["resolve_group", "settle", "broadcast_json", "exchange", "EXCHANGE_OBSERVERS",
+__all__ = ["resolve_group", "settle", "broadcast_json", "rank0_decides", "exchange", "EXCHANGE_OBSERVERS",
            "SLOT_BYTES", "BROADCAST_SLOT_BYTES"]
 
 #: Called after every :func:`settle`, :func:`broadcast_json` and :func:`exchange` as
@@ -118,6 +118,31 @@ def broadcast_json(group, value: Any, step: str = "a step of the save") -> Any:
         return out
     except CommError as e:
         raise _lost_peer(e, group, step) from e
+
+
+def rank0_decides(group, rank: int, decide: Callable[[], Any], what: str) -> Any:
+    """``decide()`` run on rank 0 alone, its (JSON) result on every rank; ``group`` None: one process.
+
+    A failure there is raised on every rank: on rank 0 as it is, on the
+    others as a :class:`CheckpointError` naming it (none of them waits for a
+    broadcast that never comes). Example::
+
+        step = rank0_decides(group, rank, manager.latest_step, "choosing the step to restore")
+    """
+    if group is None:
+        return decide()
+    outcome, failure = None, None
+    if rank == 0:
+        try:
+            outcome = ["ok", decide()]
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            outcome, failure = ["failed", f"{type(e).__name__}: {e}"], e
+    outcome = broadcast_json(group, outcome, what)
+    if failure is not None:
+        raise failure
+    if outcome[0] == "failed":
+        raise CheckpointError(f"rank 0 failed while {what}: {outcome[1]}")
+    return outcome[1]
 
 
 def exchange(group, value: Any, step: str = "a step of the save") -> list[Any]:

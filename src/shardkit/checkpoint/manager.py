@@ -17,6 +17,14 @@
   its own for blocking saves; never on the training thread) keeps the
   ``keep_last`` newest complete steps and the best one by ``best``; it never
   deletes the newest complete step or a step being written.
+- **It deletes only what it can prove it wrote**: each of its saves marks
+  the step directory (``.shardkit-checkpoint``, see ``checkpoint.ownership``)
+  before any rank writes a data byte. A ``step-<n>`` directory without that mark, a writer lock or
+  shardkit's committed ``metadata.json`` (a PyTorch DCP or Hugging Face
+  checkpoint, a user's files) is never deleted, cleared or saved into
+  (saving that step raises :class:`CheckpointError`); it is logged once with
+  why. Files someone added to one of its own steps stay when the step is
+  rotated. Incomplete uploads are aborted only under its own steps.
 - **One save at a time**: :meth:`save` while a save is in flight first
   waits for it (and raises its failure as
   :class:`~shardkit.errors.AsyncCheckpointError`).
@@ -59,14 +67,17 @@ from shardkit.checkpoint.api import (
     start_background,
 )
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
-from shardkit.checkpoint.group import broadcast_json
+from shardkit.checkpoint.group import rank0_decides
 from shardkit.checkpoint.manager_metrics import encode_metrics, parse_best
-from shardkit.checkpoint.manager_rotation import STEP_DIR, owned_name, remove_step_dir, step_dir_name, steps_to_remove
+from shardkit.checkpoint.manager_rotation import (
+    STEP_DIR, remove_step, remove_step_dir, save_problem, step_dir_name, steps_to_remove,
+)
 from shardkit.checkpoint.manifest import file_records, read_manifest
+from shardkit.checkpoint.ownership import mark_owned, owned_listing, sample_names
 from shardkit.errors import (
     AsyncWaitTimeout, CheckpointError, CheckpointExistsError, IncompleteCheckpointError, MetadataError,
 )
-from shardkit.storage import storage_for
+from shardkit.storage import is_temp_name, storage_for
 from shardkit.storage.json_io import NON_FINITE
 
 __all__ = ["CheckpointManager", "step_dir_name"]
@@ -99,6 +110,7 @@ class CheckpointManager:
         self._background = None  # the group background saves use (None: one process)
         self._writing: int | None = None
         self._closed = False
+        self._logged_steps: set[int] = set()  # steps whose foreign files were reported (once each)
         if self.rank == 0:
             self._storage.makedirs(self.root)
 
@@ -167,14 +179,17 @@ class CheckpointManager:
             raise
         return start_background(prep, directory, background, before_write=clear, after=self._after_save)
 
-    def restore(self, state_dict, step: int | None = None, *, rank_state=None) -> int | None:
+    def restore(self, state_dict, step: int | None = None, *, rank_state=None, **load_options) -> int | None:
         """Load step ``step`` (default: the latest complete one) into ``state_dict`` in place.
 
         Returns the step restored, or None when there is none (a fresh run).
         Works on any world size. Raises :class:`CheckpointError` when ``step``
         is given but not complete, and the error of a read that failed while
         rank 0 chose the step (never an older step instead: see :meth:`steps`).
-        ``rank_state`` as for :func:`~shardkit.checkpoint.load`.
+        ``rank_state`` and ``load_options`` (``strict=False`` and the other
+        options of :func:`~shardkit.checkpoint.load`) as for that function::
+
+            mgr.restore(state, strict=False)       # the optimizer's state on disk, not in ``state``
         """
         self.wait()
         chosen, problem = self._rank0_decides(lambda: self._restore_choice(step), "choosing the step to restore")
@@ -182,7 +197,7 @@ class CheckpointManager:
             raise CheckpointError(problem)
         if chosen is None:
             return None
-        load(state_dict, self.step_dir(chosen), group=self.group, rank_state=rank_state)
+        load(state_dict, self.step_dir(chosen), group=self.group, rank_state=rank_state, **load_options)
         return chosen
 
     def prepare(self, state_dict, *, rank_state=None) -> None:
@@ -295,26 +310,7 @@ class CheckpointManager:
             return False
 
     def _rank0_decides(self, decide, what: str):
-        """``decide()`` run on rank 0 alone, its (JSON) result on every rank.
-
-        A failure there is raised on every rank: on rank 0 as it is, on the
-        others as a :class:`CheckpointError` naming it (none of them waits
-        for a broadcast that never comes).
-        """
-        if self._coordinator is None:
-            return decide()
-        outcome, failure = None, None
-        if self.rank == 0:
-            try:
-                outcome = ["ok", decide()]
-            except Exception as e:  # noqa: BLE001 - raised below, on every rank
-                outcome, failure = ["failed", f"{type(e).__name__}: {e}"], e
-        outcome = broadcast_json(self._coordinator, outcome, what)
-        if failure is not None:
-            raise failure
-        if outcome[0] == "failed":
-            raise CheckpointError(f"rank 0 failed while {what} under {self.root}: {outcome[1]}")
-        return outcome[1]
+        return rank0_decides(self._coordinator, self.rank, decide, f"{what} under {self.root}")
 
     def _after_save(self) -> None:
         self._writing = None
@@ -331,13 +327,8 @@ class CheckpointManager:
                         self.root, type(e).__name__, e)
 
     def _refuse_to_save(self, step: int) -> None:
-        """Raise, on every rank (rank 0 decides), where saving ``step`` could cost a complete checkpoint.
-
-        ``CheckpointExistsError``: ``step`` is saved complete (it would be
-        cleared before the new copy is written). ``CheckpointError``: a newer
-        step is complete (rotation, by step number, would delete ``step`` first,
-        and ``restore()`` would pick the newer one: the run after a roll-back).
-        """
+        """Raise, on every rank (rank 0 decides), where saving ``step`` could cost what is there
+        (``manager_rotation.save_problem``): ``CheckpointExistsError`` for a complete ``step``."""
         problem = self._rank0_decides(lambda: self._save_problem(step), "checking the step can be saved")
         if problem is not None:
             kind, message = problem
@@ -345,38 +336,51 @@ class CheckpointManager:
 
     def _save_problem(self, step: int) -> list[str] | None:
         # One listing, and a manifest read only for this step and newer ones (usually none).
-        for other in sorted((s for s in self._all_steps() if s >= step), reverse=True):
-            if not self._complete(other):
-                continue
-            if other == step:
-                return ["exists", f"step {step} is already saved, complete, in {self.step_dir(step)}; saving it "
-                                  f"again would clear it before the new copy is written, and a crash then would "
-                                  f"lose it. Nothing was written. Save under the next step (restore() returns the "
-                                  f"step it restored: go on from the one after it), or remove "
-                                  f"{self.step_dir(step)} first"]
-            return ["newer", f"step {other} is saved under {self.root}, newer than step {step}: rotation keeps the "
-                             f"highest steps and would delete step {step}, and restore() would pick step {other}. "
-                             f"Nothing was written. After rolling back to an older step, remove the newer step "
-                             f"directories first (or save into a new root)"]
-        return None
+        newer = sorted((s for s in self._all_steps() if s >= step), reverse=True)
+        return save_problem(self._storage, self.root, step, newer, self._complete)
 
     def _clear_leftover(self, step: int) -> None:
-        # A crashed or older save of the same step; runs under this save's writer lock,
-        # so the lock file stays (removing it would let a second writer in).
+        # Rank 0, before any rank writes: a crashed or older save of the same step goes (under this
+        # save's writer lock, which stays: removing it would let a second writer in), then the mark
+        # that makes the directory provably this manager's, whenever the save is cut short.
         remove_step_dir(self._storage, self.step_dir(step), keep_locks=True)
+        mark_owned(self._storage, self.step_dir(step))
 
     def _rotate(self) -> None:
         writing = self._writing
         complete = self.steps()
         best = self._best_step(complete)
-        for step in steps_to_remove(self._all_steps(), complete, keep_last=self.keep_last, best=best, writing=writing):
-            remove_step_dir(self._storage, self.step_dir(step))
+        owned = [s for s in self._all_steps() if s in complete or (s != writing and self._owned(s))]
+        for step in steps_to_remove(owned, complete, keep_last=self.keep_last, best=best, writing=writing):
+            self._remove_step(step)
         if complete and writing is None:
             # What killed saves left that no step lists: temporaries beside the steps, and on object
-            # stores incomplete uploads (a step whose only object was one is not even a prefix).
-            # Nothing of this manager's is being written now: a save waits for the rotation.
-            # Only uploads under this manager's own names: root may be a bucket other jobs write to.
-            self._storage.remove_orphans(self.root, uploads_of=owned_name)
+            # stores incomplete uploads. Nothing of this manager's is being written now: a save waits
+            # for the rotation. Only uploads under its own names (a temporary, a step it marked): root
+            # may be a bucket other jobs write to, or a run folder another tool saves steps in.
+            mine = {step_dir_name(s) for s in owned}
+            self._storage.remove_orphans(self.root, uploads_of=lambda name: is_temp_name(name) or name in mine)
+
+    def _owned(self, step: int) -> bool:
+        """Whether ``step``'s directory provably is a shardkit save's (``ownership.owned_listing``);
+        another tool's (or a user's) is logged once and left alone."""
+        owned, names = owned_listing(self._storage, self.step_dir(step))
+        if not owned and names:
+            self._log_once(step, f"leaving {self.step_dir(step)} alone: it holds no mark of a shardkit save "
+                                 f"({sample_names(names)}), so shardkit did not write it (another tool's "
+                                 f"checkpoint, or a user's files)")
+        return owned
+
+    def _remove_step(self, step: int) -> None:
+        kept = remove_step(self._storage, self.step_dir(step))
+        if kept:
+            self._log_once(step, f"removed shardkit's files of {self.step_dir(step)} but kept what it did not "
+                                 f"write there: {sample_names(kept)}")
+
+    def _log_once(self, step: int, message: str) -> None:
+        if step not in self._logged_steps:
+            self._logged_steps.add(step)
+            log.warning(message)
 
     def _best_step(self, complete: list[int]) -> int | None:
         if self.best is None:
