@@ -96,25 +96,27 @@ def plan_names(state_tensors: Collection[str], state_others: Collection[str], sa
                saved_objects: Collection[str], options: LoadOptions,
                aliases: Mapping[str, str] | None = None) -> NamePlan:
     """Map every state leaf to the checkpoint name it is read from (see the module docstring)."""
-    saved_tensors, saved_objects = set(saved_tensors), set(saved_objects)
-    to_checkpoint = _state_to_checkpoint(saved_tensors | saved_objects, aliases or {}, options)
+    saved_tensors, saved_objects, aliases = set(saved_tensors), set(saved_objects), dict(aliases or {})
+    to_checkpoint = _state_to_checkpoint(saved_tensors | saved_objects, aliases, options)
+    ordered = [*state_tensors, *state_others]
+    state_tensors = set(state_tensors)
     plan = NamePlan()
     missing = []
-    for name in [*state_tensors, *state_others]:
+    for name in ordered:
         source = to_checkpoint.get(name)
         if options.excluded(name):
             plan.untouched.append(name)
         elif source is None:
             missing.append(name)
         elif name in state_tensors:
-            plan.tensors[name] = _tensor_source(name, source, saved_tensors, aliases or {})
+            plan.tensors[name] = _tensor_source(name, source, saved_tensors, aliases)
         elif source in saved_tensors:
             raise TensorMismatchError(f"state_dict's leaf {name!r} is not a tensor, but the checkpoint holds a "
                                       f"tensor there ({source!r}); put a tensor there, or exclude= it")
         else:
             plan.objects[name] = source
     _refuse_missing(missing, to_checkpoint, options, plan)
-    _refuse_unexpected(to_checkpoint, set(state_tensors) | set(state_others), aliases or {}, options)
+    _refuse_unexpected(to_checkpoint, set(ordered), aliases, options)
     return plan
 
 
