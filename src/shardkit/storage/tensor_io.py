@@ -58,14 +58,18 @@ def read_ranges(reader: Reader, reads: list[tuple[int, memoryview]], record: Fil
     map for local files, else through a scratch buffer of at most
     ``knobs.HASH_SLICE_BYTES``), so at most one block's extra bytes at each
     end of a read are hashed, none copied. Where extra bytes cost a download
-    (``reader.extra_reads_are_cheap`` is False: object stores), a block the
-    reads cover only in part is read without being verified instead, so a
-    rank still fetches only the bytes it needs; the blocks they cover whole
-    are verified (a stretch of such blocks in one gather read, as an
-    unverified read fetches them), and ``validate_distributed`` hashes every
-    byte. One sweep over the blocks in file order keeps the work linear in
-    blocks + reads. On a mismatch, buffers may already hold the block's
-    unverified bytes.
+    (``reader.extra_reads_are_cheap`` is False: object stores), the blocks
+    the reads cover whole are verified (a stretch of such blocks in one
+    gather read, as an unverified read fetches them); a block they cover
+    only in part is downloaded whole in one request and verified before its
+    wanted parts are copied out when ``extra`` (the load's
+    :class:`ExtraReads` allowance) still has the bytes the reads do not
+    want, else read unverified, so a rank fetches at most its allowance
+    more than it needs (``validate_distributed`` hashes every byte). One
+    sweep over the blocks in file order keeps the work linear in blocks +
+    reads. On a mismatch, buffers may already hold the block's unverified
+    bytes; the error names what the block holds when ``holds``
+    (:func:`holds_of`) is given.
     """
     reads = [(offset, buf.cast("B") if buf.format != "B" else buf) for offset, buf in reads if len(buf)]
     if record is None:
@@ -94,56 +98,50 @@ def map_verified(reader: Reader, spans: list[tuple[int, int]], record: FileRecor
     One view per span (``Reader.map_range``: nothing copied, pages shared
     with the page cache until written, writes never reach the file), or None
     where the reader cannot map it (the caller reads it instead). With
-    ``record``, each span is mapped out to the edges of the checksum blocks
-    it lies in, and every such block is hashed from the mapped bytes
-    themselves -- each block once however many spans share it, the blocks
-    spread over the I/O threads (``run_parallel``) -- before this returns: a
-    corrupt byte raises :class:`~shardkit.errors.ChecksumError` and no view
-    is returned, so a caller never holds a mapped byte that was not verified.
-    The hash is also the pages' first touch (what the caller's first touch
-    would have paid). What it does not cover: a file changed in place after
-    this returns shows through the maps, as it does through any map
-    (shardkit's saves replace files by rename, never in place). Without
-    ``record`` it only maps.
+    ``record``, every checksum block a mapped span touches is hashed whole
+    before this returns, by the block walk :func:`read_ranges` uses: the
+    spans' bytes from their own maps (the hash is also their pages' first
+    touch, which the caller's first touch would have paid), the rest of a
+    block (bytes of tensors not asked for, the header) from the file
+    (``Reader.hash_range``: the page cache, not kept), each block once
+    however many spans share it, in windows of whole blocks spread over the
+    I/O threads. A corrupt byte raises :class:`~shardkit.errors.ChecksumError`
+    and no view is returned, so a caller never holds a mapped byte that was
+    not verified. What it does not cover: a file changed in place after this
+    returns shows through the maps, as through any map (shardkit's saves
+    replace files by rename, never in place). Without ``record`` it only maps.
 
     >>> [w] = map_verified(reader, [(entry.begin, entry.nbytes)], record)
     """
+    if record is not None:
+        _check_size(reader, record)
+        for offset, nbytes in spans:
+            reader.check_inside(offset, nbytes)
+    views = [reader.map_range(offset, nbytes) for offset, nbytes in spans]
     if record is None:
-        return [reader.map_range(offset, nbytes) for offset, nbytes in spans]
-    _check_size(reader, record)
-    views: list[memoryview | None] = []
-    maps: list[tuple[int, memoryview]] = []  # (first block, a map of whole blocks from there)
-    for offset, nbytes in spans:
-        reader.check_inside(offset, nbytes)
-        lo = offset - offset % record.block_bytes
-        hi = min(record.bytes, -(-(offset + nbytes) // record.block_bytes) * record.block_bytes)
-        whole = reader.map_range(lo, hi - lo) if nbytes > 0 else None
-        views.append(None if whole is None else whole[offset - lo:offset - lo + nbytes])
-        if whole is not None:
-            maps.append((lo // record.block_bytes, whole))
-    run_parallel(_block_hash_jobs(reader.name, record, maps, holds))
+        return views
+    mapped = sorted(((offset, view) for (offset, _), view in zip(spans, views) if view is not None),
+                    key=lambda r: r[0])
+    window = -(-_HASH_JOB_BYTES // record.block_bytes) * record.block_bytes
+    run_parallel([functools.partial(_hash_mapped, reader, record, part, holds) for part in _windows(mapped, window)])
     return views
 
 
-def _block_hash_jobs(file_name: str, record: FileRecord, maps: list[tuple[int, memoryview]], holds: Holds) -> list:
-    """Jobs that verify every block the ``maps`` hold, each block once (from the first map holding it),
-    in runs of about ``_HASH_JOB_BYTES``."""
-    bb, jobs, next_block = record.block_bytes, [], 0
-    for first, whole in sorted(maps, key=lambda m: m[0]):
-        end = first + -(-len(whole) // bb)
-        step = max(1, _HASH_JOB_BYTES // bb)
-        for lo in range(max(first, next_block), end, step):
-            jobs.append(functools.partial(_verify_mapped_blocks, record, file_name, holds, first, whole,
-                                          range(lo, min(end, lo + step))))
-        next_block = max(next_block, end)
-    return jobs
+def _hash_mapped(reader: Reader, record: FileRecord, mapped: list[tuple[int, memoryview]], holds: Holds) -> None:
+    """Verify every block the (offset-sorted) mapped views touch, hashing the views in place."""
+    for block, start, stop, active in _blocks_with_reads(mapped, record):
+        _read_block(reader, record, block, start, stop, active, holds, mapped=True)
 
 
-def _verify_mapped_blocks(record: FileRecord, file_name: str, holds: Holds, first: int, whole: memoryview,
-                          blocks: range) -> None:
-    bb = record.block_bytes
-    for b in blocks:
-        record.verify_views(b, [whole[(b - first) * bb:(b - first + 1) * bb]], file_name=file_name, holds=holds)
+def _windows(reads: list[tuple[int, memoryview]], window: int) -> list[list[tuple[int, memoryview]]]:
+    """The (offset-sorted) reads cut at file offsets that are multiples of ``window`` (whole blocks), grouped
+    by window in file order: no block is in two groups."""
+    groups: dict[int, list[tuple[int, memoryview]]] = {}
+    for offset, view in reads:
+        cuts = range(window - offset % window, len(view), window)
+        for lo, hi in zip([0, *cuts], [*cuts, len(view)]):
+            groups.setdefault((offset + lo) // window, []).append((offset + lo, view[lo:hi]))
+    return [groups[w] for w in sorted(groups)]
 
 
 def holds_of(header) -> Holds:
@@ -345,13 +343,15 @@ def _check_size(reader: Reader, record: FileRecord) -> None:
 
 
 def _read_block(reader: Reader, record: FileRecord, block: int, start: int, stop: int,
-                active: list[tuple[int, memoryview]], holds: Holds = None) -> None:
+                active: list[tuple[int, memoryview]], holds: Holds = None, *, mapped: bool = False) -> None:
     """Read the active reads' parts of one block, hashing the whole block as it goes, in file order.
 
     Covered bytes are read straight into their buffers (hashed slice by slice
-    while hot); bytes of the block no read wants are hashed from the file
-    without being kept (``Reader.hash_range``: from the page-cache map for
-    local files). Bytes two reads both want are hashed once.
+    while hot), or, with ``mapped`` (the buffers are maps of the file that
+    already hold its bytes), hashed where they are; bytes of the block no
+    read wants are hashed from the file without being kept
+    (``Reader.hash_range``: from the page-cache map for local files). Bytes
+    two reads both want are hashed once.
     """
     hasher = new_block_hasher()
     position = start
@@ -361,11 +361,14 @@ def _read_block(reader: Reader, record: FileRecord, block: int, start: int, stop
             continue
         if lo > position:
             reader.hash_range(position, lo - position, hasher)
-        elif lo < position:  # overlaps an earlier read: those bytes are hashed already
+        elif lo < position and not mapped:  # overlaps an earlier read: those bytes are hashed already
             reader.read_into(lo, buf[lo - offset:min(hi, position) - offset])
         if hi > position:
             fresh = max(lo, position)
-            reader.read_into_hashed(fresh, buf[fresh - offset:hi - offset], hasher)
+            if mapped:
+                hasher.update(buf[fresh - offset:hi - offset])
+            else:
+                reader.read_into_hashed(fresh, buf[fresh - offset:hi - offset], hasher)
             position = hi
     if position < stop:
         reader.hash_range(position, stop - position, hasher)
