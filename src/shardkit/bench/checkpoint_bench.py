@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import time
 
 import torch
 
@@ -81,17 +82,19 @@ def bench_load(state, workdir: str, reps: int) -> list[dict]:
     """A fresh load: every impl allocates (or maps) its own outputs inside the timed call, warm cache, interleaved.
 
     ``shardkit`` (the default) returns tensors over copy-on-write maps of the
-    files (nothing read until touched); ``+ pages touched`` reads one element
-    per page, as a first training step would; ``verify=True`` copies and
-    hashes every byte. ``dcp.load`` is given tensors allocated inside the
+    files, every block hashed from the mapped pages before it returns
+    (:func:`bench_verify_mapped` compares that with ``verify=False``);
+    ``+ pages touched`` reads one element per page, as a first training
+    step would; ``verify=True`` copies and hashes every byte. ``dcp.load`` is given tensors allocated inside the
     timed call (DCP loads in place), reads each one from its file into them,
     paying a page fault per fresh page. ``load_file`` maps, like shardkit.
     """
     return _warm_loads("load, 1 rank, fresh, warm cache", {
         "shardkit": ("load-shardkit", _save_ours(state), lambda p: load_distributed(p, 0, 1),
-                     "default: zero-copy map, lazy"),
+                     "default: zero-copy map, verified"),
         "shardkit + pages touched": ("load-shardkit-touch", _save_ours(state),
-                                     lambda p: _touch(load_distributed(p, 0, 1)), "map, then one read per page"),
+                                     lambda p: _touch(load_distributed(p, 0, 1)),
+                                     "map (verified), then one read per page"),
         "shardkit verify=True": ("load-shardkit-copy", _save_ours(state),
                                  lambda p: load_distributed(p, 0, 1, verify=True), "copies into fresh memory, hashes"),
         "torch.distributed.checkpoint.load": ("load-dcp", lambda p: peers.dcp_save(state, p),
@@ -144,6 +147,93 @@ def bench_verify(state, workdir: str, reps: int) -> list[dict]:
     notes = {"shardkit": "copying load, verified (the default)", "shardkit verify=False": "copying load, no hashing"}
     return [row("load: verified vs not (copies), warm cache", impl, timing, bytes=state_bytes(state), note=notes[impl])
             for impl, timing in timings.items()]
+
+
+def bench_verify_mapped(state, workdir: str, reps: int) -> list[dict]:
+    """A fresh zero-copy load with every page touched: verified (the default) vs not vs ``dcp.load``, interleaved.
+
+    ``shardkit`` maps the file and hashes every block from the mapped pages
+    before it returns (``storage.tensor_io.map_verified``), then one element
+    per page is read; ``shardkit verify=False`` is the same load unhashed
+    (its pages faulted by the touches); ``dcp.load`` fills tensors allocated
+    inside the call (then touched alike). ``one xxh3 pass`` hashes the same
+    bytes, already in memory, in the same blocks on the same I/O threads:
+    what the verified load's extra time is measured against. Each impl's
+    first call in this process is kept (``first_s``) apart from the
+    interleaved runs (at least ``common.VERIFY_MIN_REPS``).
+    """
+    ours, dcp_path = os.path.join(workdir, "mapped-verified"), os.path.join(workdir, "mapped-verified-dcp")
+    for path in (ours, dcp_path):
+        shutil.rmtree(path, ignore_errors=True)
+    save_distributed(state, ours, 0, 1, SINGLE)
+    peers.dcp_save(state, dcp_path)
+    warm_files(ours, dcp_path)
+    runs: dict[str, list[float]] = {}
+    impls = {name: _recorded(runs, name, fn) for name, fn in {
+        "shardkit": lambda: _touch(load_distributed(ours, 0, 1)),
+        "shardkit verify=False": lambda: _touch(load_distributed(ours, 0, 1, verify=False)),
+        "torch.distributed.checkpoint.load": lambda: _touch(peers.dcp_load(state, dcp_path)),
+        XXH3_PASS: _xxh3_pass(state),
+    }.items()}
+    first = {name: time_interleaved({name: fn}, 1)[name]["median_s"] for name, fn in impls.items()}
+    runs.clear()
+    timings = time_interleaved(impls, max(reps, VERIFY_MIN_REPS))
+    for path in (ours, dcp_path):
+        shutil.rmtree(path, ignore_errors=True)
+    notes = {"shardkit": "mapped, every block hashed before it returns, then one read per page",
+             "shardkit verify=False": "mapped, unhashed, then one read per page",
+             "torch.distributed.checkpoint.load": "empty_like inside the call, filled, then one read per page",
+             XXH3_PASS: "in memory, same blocks, same I/O threads"}
+    cost = _verify_cost(runs)
+    return [row("load: mapped + touched, verified vs not", impl, timing, bytes=state_bytes(state),
+                kind="limit" if impl == XXH3_PASS else "peer", note=notes[impl], first_s=first[impl],
+                runs_s=[round(t, 4) for t in runs[impl]], **(cost if impl == "shardkit" else {}))
+            for impl, timing in timings.items()]
+
+
+XXH3_PASS = "one xxh3 pass over the same bytes"
+
+
+def _recorded(runs: dict[str, list[float]], name: str, fn):
+    """``fn``, appending each call's seconds to ``runs[name]`` (for per-round pairs)."""
+    def run():
+        start = time.perf_counter()
+        fn()
+        runs.setdefault(name, []).append(time.perf_counter() - start)
+    return run
+
+
+def _verify_cost(runs: dict[str, list[float]]) -> dict:
+    """What hashing a mapped load costs: the median per-round difference verified - unverified, and that in
+    xxh3 passes over the same bytes (the median pass of the same rounds)."""
+    diffs = [a - b for a, b in zip(runs["shardkit"], runs["shardkit verify=False"])]
+    cost, one_pass = statistics.median(diffs), statistics.median(runs[XXH3_PASS])
+    return {"verify_cost_s": cost, "verify_cost_min_s": min(diffs), "verify_cost_max_s": max(diffs),
+            "xxh3_pass_s": one_pass, "verify_cost_in_xxh3_passes": cost / one_pass if one_pass > 0 else None}
+
+
+def _xxh3_pass(state):
+    """A job that hashes every tensor of ``state`` in checksum blocks on the I/O threads (as a verified map is)."""
+    from shardkit import knobs
+    from shardkit.storage import new_block_hasher, run_parallel
+
+    views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in _tensors(state) if t.numel()]
+    block, job = knobs.CHECKSUM_BLOCK_BYTES, 64 << 20
+
+    def hash_blocks(view):
+        for start in range(0, len(view), block):
+            hasher = new_block_hasher()
+            hasher.update(view[start:start + block])
+            hasher.hexdigest()
+
+    jobs = [lambda v=v[s:s + job]: hash_blocks(v) for v in views for s in range(0, len(v), job)]
+    return lambda: run_parallel(jobs)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, dict):
+        return [t for value in tree.values() for t in _tensors(value)]
+    return [tree.contiguous()] if isinstance(tree, torch.Tensor) else []
 
 
 def bench_load_into(state, workdir: str, reps: int) -> list[dict]:
@@ -274,6 +364,7 @@ def run_checkpoint_benchmarks(size_bytes: int, reps: int, workdir: str, cases=("
         rows += bench_load(state, workdir, reps)
         rows += bench_load_into(state, workdir, reps)
         rows += bench_verify(state, workdir, reps)
+        rows += bench_verify_mapped(state, workdir, reps)
     if "async" in cases:
         rows += bench_async(state, workdir, reps, size_bytes)
     return rows

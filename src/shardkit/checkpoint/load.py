@@ -5,29 +5,47 @@ manifests), plans the byte ranges that overlap what is wanted
 (``plan.py``) and reads only those (``execute.py``). Nothing is loaded
 whole unless it is asked for whole.
 
-**Verification**: a load that copies hashes every checksum block it
-touches (and each file's header) and compares it with the saved record, so
-a corrupt byte raises :class:`ChecksumError` (after an in-place ``out=``
-load raised it, the tensors may hold the bad block's bytes). From an object
-store, a block this rank needs only part of is read unverified: hashing it
-would download the rest (``validate_distributed`` checks every byte);
-blocks it reads whole are hashed. ``verify=None`` means
-``knobs.VERIFY_ON_LOAD``, **True**: each byte is hashed in the same pass
-that copies it (1 GiB on the 2-core box: a load into fresh memory takes
-0.90-1.13x, median 1.05x, the unverified one's time, an in-place ``out=``
-load 1.03-1.12x, where no page fault hides the hash; ``verify=False`` skips it). **Zero-copy**: where
-this rank's whole output tensor is one contiguous byte range of one local
-file (the same-world-size load, a replicated tensor, a ``Shard(0)`` chunk)
-and ``out`` is not given, the tensor is returned over a private
-(copy-on-write) map of that range instead (``knobs.MAP_LOADS``): nothing is
-read until touched, pages are shared with the page cache, writes never
-reach the file, and a file truncated in place while it lives raises SIGBUS
-(shardkit's saves replace files by rename). Mapped tensors are **not**
-hashed: ``validate_distributed`` is their check; ``verify=True`` copies and
-hashes everything, ``verify=False`` hashes nothing. Every load still refuses
-a file whose size differs from its record (:class:`IncompleteCheckpointError`)
-and any header that does not match the metadata. Seed-format directories
-have no checksums; their sizes are checked against the headers.
+**Verification** (``verify=None`` means ``knobs.VERIFY_ON_LOAD``, **True**):
+every load of this format hashes each checksum block whose bytes it
+returns, whole, and compares it with the saved record (each file's header
+too), so a corrupt byte raises :class:`ChecksumError` (naming the file, the
+block, the tensor and ``shardkit validate``) instead of loading:
+
+- a load that copies (in place ``out=``, a resharded slice that is not one
+  byte range, ``verify=True``) hashes each byte in the same pass that copies
+  it (1 GiB on the 2-core box: a load into fresh memory takes 0.90-1.13x,
+  median 1.05x, the unverified one's time, an in-place ``out=`` load
+  1.03-1.12x, where no page fault hides the hash); after an in-place load
+  raised it, the tensors may hold the bad block's bytes;
+- a **zero-copy** load (below) hashes the whole blocks its maps lie in, from
+  the mapped pages themselves, on the I/O threads, **before it returns**
+  (``storage.tensor_io.map_verified``): the caller never holds a mapped
+  byte that was not verified, and the pass is also the pages' first touch
+  (a fresh 1 GiB load with every page touched costs about one xxh3 pass
+  over the bytes more than the unverified one; see ``shardkit bench --only load``);
+- from an object store, a block this rank needs only part of is downloaded
+  whole and verified while the load's allowance of
+  ``knobs.VERIFY_EXTRA_READ_FRACTION`` (0.1) of its bytes lasts (at most
+  1.1x the rank's bytes downloaded); past it such a block is read
+  unverified (``validate_distributed`` checks every byte); blocks it reads
+  whole are always hashed.
+
+``verify=False`` (or ``knobs.VERIFY_ON_LOAD = False``) hashes nothing.
+Every load still refuses a file whose size differs from its record
+(:class:`IncompleteCheckpointError`) and any header that does not match the
+metadata. Seed-format directories have no checksums; their sizes are
+checked against the headers. What no load can check: a file changed in
+place after the load returned shows through a mapped tensor (as through any
+map; shardkit's saves replace files by rename).
+
+**Zero-copy**: where this rank's whole output tensor is one contiguous byte
+range of one local file (the same-world-size load, a replicated tensor, a
+``Shard(0)`` chunk) and ``out`` is not given, the tensor is returned over a
+private (copy-on-write) map of that range instead (``knobs.MAP_LOADS``):
+pages are shared with the page cache, writes never reach the file, and a
+file truncated in place while it lives raises SIGBUS (shardkit's saves
+replace files by rename). ``verify=True`` asks for private copies instead
+(copied and hashed); ``knobs.MAP_LOADS = False`` copies too.
 
 **In place** (``out=``): :func:`load_distributed` can fill the tensors a
 training job already has, like ``torch.distributed.checkpoint.load`` or
@@ -94,18 +112,22 @@ def load_distributed(dir, rank, world_size, *, keys=None, device="cpu", verify=N
     saved one raises :class:`TensorMismatchError` before anything is read,
     leaving ``out`` untouched; nothing is cast and no leaf is added.
 
+    **Verified** (``verify=None``: ``knobs.VERIFY_ON_LOAD``, on): every
+    checksum block whose bytes are returned is hashed before the call
+    returns, and a corrupt one raises :class:`ChecksumError`; ``verify=False``
+    skips it. See the module docstring for what each path hashes (object
+    stores: blocks read only in part, within a 1.1x download allowance).
+
     **Zero-copy** (without ``out``; ``knobs.MAP_LOADS``, on by default): a
     tensor whose whole output is one contiguous byte range of one local file
     (the same-world-size load, a replicated tensor, a ``Shard(0)`` chunk)
-    comes back over a private, copy-on-write map of that range: the call
-    returns before its bytes are read, pages come from the page cache when
-    first touched and are shared with it (and with every process mapping the
-    same file) until written; writes stay private and never reach the file.
-    Such tensors are **not** hashed -- ``validate_distributed`` (or ``shardkit
-    validate``) is their check; sizes and headers are checked as for every
-    load. A file truncated or rewritten in place while they live makes a
+    comes back over a private, copy-on-write map of that range, its blocks
+    hashed from the mapped pages before the call returns (so its pages are
+    mapped in, shared with the page cache and with every process mapping
+    the same file, until written); writes stay private and never reach the
+    file. A file truncated or rewritten in place while they live makes a
     touch die with SIGBUS (shardkit's saves replace files by rename, so
-    saving over the checkpoint is safe). To get private, verified copies pass
+    saving over the checkpoint is safe). To get private copies pass
     ``verify=True`` (copies and hashes every byte), or set
     ``knobs.MAP_LOADS = False`` (copies, hashed per ``knobs.VERIFY_ON_LOAD``).
 
@@ -130,7 +152,9 @@ def reshard(dir, old_world_size, new_world_size, new_rank, *, verify=None) -> di
     """Every tensor of a checkpoint saved on ``old_world_size`` ranks, as ``new_rank`` of ``new_world_size`` holds it.
 
     Returns a flat ``{dotted name: tensor}`` dict (no plain leaves: use
-    :func:`load_distributed` for the nested state). Reads only overlapping bytes.
+    :func:`load_distributed` for the nested state). Reads only overlapping
+    bytes; zero-copy and verified as :func:`load_distributed` is
+    (``verify=False`` skips the hash).
 
     >>> reshard("/ckpt/step-10", 4, 3, 0)["layers.0.w"].shape
     """
@@ -147,6 +171,9 @@ def load_region(dir, name, offsets: Sequence[int], sizes: Sequence[int], *, veri
     """The box ``offsets``/``sizes`` of the saved tensor ``name`` (any box, across any chunks).
 
     Equals ``full[o0:o0+s0, o1:o1+s1, ...]`` without building ``full``.
+    Every checksum block the box's bytes lie in is hashed whole before it
+    returns (mapped or copied; ``verify=False`` skips it), so a corrupt
+    block raises :class:`ChecksumError` and an intact one of the same file loads.
 
     >>> load_region("/ckpt/step-10", "emb", (100, 0), (8, 1024)).shape
     torch.Size([8, 1024])
@@ -157,6 +184,10 @@ def load_region(dir, name, offsets: Sequence[int], sizes: Sequence[int], *, veri
 
 def load_consolidated(dir, *, keys=None, verify=None) -> dict:
     """The full, unsharded state (nested as saved): every tensor whole. Memory: the whole state.
+
+    Tensors saved in one piece come back zero-copy, the others copied; all
+    verified before it returns (``verify=False`` skips the hash), as
+    :func:`load_distributed`.
 
     >>> load_consolidated("/ckpt/step-10")["model"]["w"].shape     # the full shape
     """

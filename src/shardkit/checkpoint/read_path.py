@@ -36,8 +36,10 @@ __all__ = ["OpenCheckpoint", "open_checkpoint"]
 class OpenCheckpoint:
     """A checkpoint opened for reading; see the module docstring. Also a context manager.
 
-    ``verify`` as in ``load_distributed`` (None: ``knobs.VERIFY_ON_LOAD``,
-    True: hash every byte read and never map).
+    ``verify`` as in ``load_distributed``: None means ``knobs.VERIFY_ON_LOAD``
+    (on: every checksum block whose bytes a read returns is hashed before it
+    returns, mapped outputs included); True: private copies (never a map),
+    every block hashed; False: nothing hashed.
     """
 
     def __init__(self, dir, *, verify: bool | None = None):
@@ -59,7 +61,9 @@ class OpenCheckpoint:
         """Each ``name -> box`` of ``want`` as a tensor; only the overlapping byte ranges are read.
 
         ``out`` (by name, optional): contiguous CPU tensors of the box's shape
-        and the saved dtype, read into with no temporary.
+        and the saved dtype, read into with no temporary. The others are
+        allocated, or mapped zero-copy (``knobs.MAP_LOADS``); verified per
+        ``verify`` either way, before this returns.
         """
         files = self._open_files()
         tensors = self.manifest.tensors
