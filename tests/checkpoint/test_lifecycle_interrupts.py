@@ -96,18 +96,14 @@ def test_an_interrupted_close_tears_nothing_down_and_a_second_close_finishes_the
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_failed_rotation_is_logged_and_the_committed_step_is_not_called_failed(tmp_path, monkeypatch, caplog,
                                                                                 async_save):
-    remove = manager_module.remove_step_dir
-
-    def refuse(storage, path, *, keep_locks=False):
-        if keep_locks:  # clearing the step being saved: not rotation
-            return remove(storage, path, keep_locks=True)
+    def refuse(storage, path):  # rotation's removal of an old step (clearing the step being saved is not)
         raise OSError(5, "Input/output error")
 
     mgr = CheckpointManager(tmp_path, keep_last=1, async_save=async_save)
     mgr.save(1, _state(1))
     mgr.wait()
     with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="shardkit"):
-        m.setattr(manager_module, "remove_step_dir", refuse)
+        m.setattr(manager_module, "remove_step", refuse)
         mgr.save(2, _state(2))
         mgr.wait()  # raised "the checkpoint there is incomplete" (async), or only printed a thread's traceback
     assert "removing old checkpoints failed" in caplog.text and "Input/output error" in caplog.text

@@ -112,3 +112,19 @@ def test_a_manager_save_marks_its_directory_and_a_plain_save_does_not(tmp_path):
     assert json.loads((tmp_path / "run" / "step-1" / OWNER_FILE).read_text())["format"] == "shardkit.distributed"
     save(_state(1), tmp_path / "plain")
     assert sorted(os.listdir(tmp_path / "plain")) == ["metadata.json", "rank_0.safetensors"]
+
+
+def test_restore_resumes_from_a_torchtitan_dcp_step_then_the_managers_own_steps_follow(tmp_path):
+    theirs = _torchtitan_folder(tmp_path)
+    with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
+        assert mgr.steps() == [5, 7, 10] and mgr.latest_step() == 10     # DCP and HF steps count; notes do not
+        state = {"model": {"w": torch.zeros(8, 4)}}
+        assert mgr.restore(state) == 10
+        assert torch.equal(state["model"]["w"], torch.full((8, 4), 10.0))
+        with pytest.raises(CheckpointError, match="step 10 is saved"):   # below a newer complete step: refused
+            mgr.save(9, state)
+        for step in (11, 12):
+            mgr.save(step, {"model": {"w": torch.full((8, 4), float(step))}})
+            mgr.wait()
+        assert mgr.steps() == [5, 7, 10, 12] and mgr.restore(state) == 12
+    assert {k: v for k, v in _snapshot(tmp_path).items() if k in theirs} == theirs

@@ -77,6 +77,7 @@ from shardkit.checkpoint.ownership import mark_owned, owned_listing, sample_name
 from shardkit.errors import (
     AsyncWaitTimeout, CheckpointError, CheckpointExistsError, IncompleteCheckpointError, MetadataError,
 )
+from shardkit.sources.detect import complete_kind
 from shardkit.storage import is_temp_name, storage_for
 from shardkit.storage.json_io import NON_FINITE
 
@@ -123,7 +124,7 @@ class CheckpointManager:
         step (an I/O error, a server error) is raised, never taken for
         "incomplete"; so is it by :meth:`latest_step` and :meth:`restore`.
         """
-        return [s for s in self._all_steps() if s != self._writing and self._complete(s)]
+        return [s for s in self._all_steps() if s != self._writing and self._complete_any(s)]
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -223,7 +224,7 @@ class CheckpointManager:
     def _restore_choice(self, step: int | None) -> list:
         """``[step to restore or None, why it cannot be restored or None]``; rank 0's choice."""
         chosen = self.latest_step() if step is None else step
-        if chosen is None or step is None or self._complete(chosen):
+        if chosen is None or step is None or self._complete_any(chosen):
             return [chosen, None]
         return [chosen, f"step {chosen} has no complete checkpoint under {self.root}; complete steps: "
                         f"{self.steps() or 'none'}"]
@@ -296,6 +297,11 @@ class CheckpointManager:
             return []
         return sorted(int(m.group(1)) for m in map(STEP_DIR.fullmatch, names) if m)
 
+    def _complete_any(self, step: int) -> bool:
+        """Whether ``step`` is complete as shardkit's checkpoint or another format ``load`` reads
+        (a torchtitan DCP ``step-N``, a Hugging Face export); any failed read but "incomplete" is raised."""
+        return self._complete(step) or complete_kind(self.step_dir(step)) in ("dcp", "hf")
+
     def _complete(self, step: int) -> bool:
         """Whether ``step`` is committed with every data file at its recorded size.
 
@@ -337,7 +343,7 @@ class CheckpointManager:
     def _save_problem(self, step: int) -> list[str] | None:
         # One listing, and a manifest read only for this step and newer ones (usually none).
         newer = sorted((s for s in self._all_steps() if s >= step), reverse=True)
-        return save_problem(self._storage, self.root, step, newer, self._complete)
+        return save_problem(self._storage, self.root, step, newer, self._complete_any)
 
     def _clear_leftover(self, step: int) -> None:
         # Rank 0, before any rank writes: a crashed or older save of the same step goes (under this
@@ -350,7 +356,8 @@ class CheckpointManager:
         writing = self._writing
         complete = self.steps()
         best = self._best_step(complete)
-        owned = [s for s in self._all_steps() if s in complete or (s != writing and self._owned(s))]
+        # Complete steps of other formats count for keep_last and restore, but are never removed.
+        owned = [s for s in self._all_steps() if s != writing and self._owned(s)]
         for step in steps_to_remove(owned, complete, keep_last=self.keep_last, best=best, writing=writing):
             self._remove_step(step)
         if complete and writing is None:
