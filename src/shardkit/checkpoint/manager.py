@@ -70,12 +70,13 @@ from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.group import rank0_decides
 from shardkit.checkpoint.manager_metrics import encode_metrics, parse_best
 from shardkit.checkpoint.manager_rotation import (
-    STEP_DIR, remove_step, remove_step_dir, save_problem, step_dir_name, steps_to_remove,
+    NOT_COMPLETE, STEP_DIR, own_step_complete, remove_step, remove_step_dir, save_problem, step_dir_name,
+    steps_to_remove,
 )
-from shardkit.checkpoint.manifest import file_records, read_manifest
+from shardkit.checkpoint.manifest import read_manifest
 from shardkit.checkpoint.ownership import mark_owned, owned_listing, sample_names
 from shardkit.errors import (
-    AsyncWaitTimeout, CheckpointError, CheckpointExistsError, IncompleteCheckpointError, MetadataError,
+    AsyncWaitTimeout, CheckpointError, CheckpointExistsError, MetadataError,
 )
 from shardkit.sources.detect import complete_kind
 from shardkit.storage import is_temp_name, storage_for
@@ -84,10 +85,6 @@ from shardkit.storage.json_io import NON_FINITE
 __all__ = ["CheckpointManager", "step_dir_name"]
 
 _KEY = "shardkit.manager"
-#: What the completeness check raises for a step that is not there or not complete (a missing
-#: directory or file is a ``FileNotFoundError``: ``MissingShardError`` is one). Anything else (a
-#: server's 500, a dropped connection, EACCES) says nothing about the step and is raised.
-_NOT_COMPLETE = (IncompleteCheckpointError, MetadataError, FileNotFoundError)
 log = logging.getLogger(__name__)
 
 
@@ -303,17 +300,7 @@ class CheckpointManager:
         return self._complete(step) or complete_kind(self.step_dir(step)) in ("dcp", "hf")
 
     def _complete(self, step: int) -> bool:
-        """Whether ``step`` is committed with every data file at its recorded size.
-
-        False only for what ``_NOT_COMPLETE`` names; any other failure to read is raised.
-        """
-        storage, directory = self._storage, self.step_dir(step)
-        try:
-            m = read_manifest(storage, directory)
-            records = file_records(storage, directory, m)
-            return all(storage.size_bytes(storage.join(directory, f)) == r.bytes for f, r in records.items())
-        except _NOT_COMPLETE:
-            return False
+        return own_step_complete(self._storage, self.step_dir(step))
 
     def _rank0_decides(self, decide, what: str):
         return rank0_decides(self._coordinator, self.rank, decide, f"{what} under {self.root}")
@@ -397,7 +384,7 @@ class CheckpointManager:
         for step in complete:
             try:
                 value = self.metrics(step).get(name)
-            except _NOT_COMPLETE:  # removed since it was listed; a failed read stops the rotation
+            except NOT_COMPLETE:  # removed since it was listed; a failed read stops the rotation
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 scored.append((value if mode == "min" else -value, -step, step))

@@ -16,15 +16,22 @@ import contextlib
 import re
 from typing import Callable
 
-from shardkit.checkpoint.manifest import METADATA_FILE
+from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
 from shardkit.checkpoint.ownership import foreign_names, is_own_name, sample_names
+from shardkit.errors import IncompleteCheckpointError, MetadataError
 from shardkit.storage import Storage, is_temp_name
 
 __all__ = ["STEP_DIR", "step_dir_name", "steps_to_remove", "remove_step_dir", "remove_own_files", "remove_step",
-           "save_problem"]
+           "save_problem", "own_step_complete", "NOT_COMPLETE"]
 
 #: ASCII digits, no leading zero, nothing after: one name per step (``step_dir_name``).
 STEP_DIR = re.compile(r"step-(0|[1-9][0-9]{0,17})")
+
+
+#: What the completeness check raises for a step that is not there or not complete (a missing
+#: directory or file is a ``FileNotFoundError``: ``MissingShardError`` is one). Anything else (a
+#: server's 500, a dropped connection, EACCES) says nothing about the step and is raised.
+NOT_COMPLETE = (IncompleteCheckpointError, MetadataError, FileNotFoundError)
 
 
 def step_dir_name(step: int) -> str:
@@ -119,3 +126,16 @@ def save_problem(storage: Storage, root: str, step: int, newer: list[int],
                          f"written. After rolling back to an older step, remove the newer step directories first "
                          f"(or save into a new root)"]
     return None
+
+
+def own_step_complete(storage: Storage, path: str) -> bool:
+    """Whether ``path`` holds shardkit's checkpoint, committed, every data file at its recorded size.
+
+    False only for what :data:`NOT_COMPLETE` names; any other failure to read is raised.
+    """
+    try:
+        m = read_manifest(storage, path)
+        records = file_records(storage, path, m)
+        return all(storage.size_bytes(storage.join(path, f)) == r.bytes for f, r in records.items())
+    except NOT_COMPLETE:
+        return False
