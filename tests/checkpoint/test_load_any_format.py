@@ -258,3 +258,13 @@ def test_shardkit_checkpoints_of_every_version_still_load_with_options(tmp_path)
     state = {"w": torch.zeros(7, 3)}
     ckpt.load(state, tmp_path, prefix="net.", cast=True)
     assert torch.equal(state["w"], w.float())
+
+
+def test_non_contiguous_and_overlapping_targets_are_staged(tmp_path):
+    w = torch.randn(3, 4)
+    dcp.save({"w": w, "v": torch.arange(6.0)}, checkpoint_id=str(tmp_path), no_dist=True)
+    base = torch.zeros(4, 3)
+    buffer = torch.zeros(8)
+    state = {"w": base.t(), "v": buffer[:6]}                      # a transposed view; a view of a bigger buffer
+    ckpt.load(state, tmp_path)
+    assert torch.equal(base.t(), w) and torch.equal(buffer, torch.cat([torch.arange(6.0), torch.zeros(2)]))

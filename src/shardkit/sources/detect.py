@@ -110,9 +110,10 @@ def _names(path) -> list[str] | None:
     from shardkit.storage import storage_for
 
     store, root = storage_for(path)
-    # Markers by exists() (one request each, never a stale listing); the listing only without one.
-    present = [m for m, _ in MARKERS if store.exists(store.join(root, m))]
-    return present or store.listdir(root) or None
+    # Markers by exists() in detection order, up to the first present (one request each, never a stale
+    # listing); the listing only without one.
+    present = next((m for m, _ in MARKERS if store.exists(store.join(root, m))), None)
+    return [present] if present is not None else store.listdir(root) or None
 
 
 def _local(path) -> str:
