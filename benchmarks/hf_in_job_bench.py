@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from shardkit.launch import run_local_ranks
 
-#: (rows, cols) of the workload's matrices: a mix like BENCHMARKS.md's (large, medium, an embedding).
+#: (rows, cols) of the workload's matrices: a mix like ``docs/benchmarks.md``'s (large, medium, an embedding).
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 1024), (32000, 1024)]
 
 

@@ -1,7 +1,7 @@
 """Test helper: a nested state's leaves by dotted name, written independently of shardkit's own code.
 
 ``leaves({"m": {"w": t}, "opt": [1, 2]})`` is ``{"m.w": t, "opt.0": 1, "opt.1": 2}``
-(the naming rule of ARCHITECTURE.md), so tests can compare a loaded state
+(the naming rule of ``docs/format.md``), so tests can compare a loaded state
 with the saved one leaf by leaf without trusting ``shardkit.checkpoint.nested``.
 """
 

@@ -1,4 +1,4 @@
-"""Crash safety (FORMAT.md invariants 1-3): a save killed with SIGKILL at many points.
+"""Crash safety (``docs/format.md``, invariants 1-3): a save killed with SIGKILL at many points.
 
 Each case forks a child (``crash_child.py``) that saves a checkpoint and
 SIGKILLs itself at one point of the save: in the middle of a data file, with

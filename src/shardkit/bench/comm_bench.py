@@ -2,7 +2,7 @@
 
 Four real ranks (processes, Gloo over loopback) share one group; on it, each
 repetition runs shardkit and then torch on the same tensor, so both see the
-same machine state. Cases (BENCHMARKS.md): one float32 tensor of 4 KiB to
+same machine state. Cases (``docs/benchmarks.md``): one float32 tensor of 4 KiB to
 64 MiB; 200 tensors of 4 KiB, coalesced by ``all_reduce_`` versus 200 separate
 ``torch.distributed.all_reduce`` calls, with one all_reduce of their total
 size as the limit. A repetition starts after a barrier and times ``iters``

@@ -1,6 +1,6 @@
 """HF-format rows: shardkit.hf save/load side by side with huggingface_hub, safetensors and transformers.
 
-Cases (BENCHMARKS.md, "HF save / load"), warm cache unless a row says cold:
+Cases (``docs/benchmarks.md``, suite "hf"), warm cache unless a row says cold:
 before timing, every impl's files are evicted and read once sequentially
 (``common.warm_files``), so each starts from the same page-cache state
 whoever wrote the file (shardkit's fsync'd saves bypass the cache;

@@ -2,7 +2,7 @@
 
 Prints one table (median, min, max of ``--reps`` runs; GB/s; peak memory; and
 for every peer the ratio of its time to shardkit's, > 1 meaning shardkit is
-faster). ``--json FILE`` also writes the rows. See BENCHMARKS.md.
+faster). ``--json FILE`` also writes the rows. See ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 The training-loop API (shaped like ``torch.distributed.checkpoint``):
 :func:`save`, :func:`load`, :func:`async_save` take DTensor / FSDP2 / TP
-state dicts as they are (``checkpoint/api.py``). The lower-level contract (ARCHITECTURE.md): :func:`save_distributed`,
+state dicts as they are (``checkpoint/api.py``). The lower-level contract (``docs/architecture.md``): :func:`save_distributed`,
 :func:`load_distributed` (reshards when the world size differs),
 :func:`reshard`, :func:`load_region`, :func:`load_consolidated`,
 :func:`validate_distributed`, :func:`compute_shard_sizes`,
 :func:`flat_shard_metadata`, the spec types, and the background
-:class:`AsyncCheckpointer`. The on-disk format is FORMAT.md section 1.
+:class:`AsyncCheckpointer`. The on-disk format is ``docs/format.md``.
 
 Example::
 

@@ -1,6 +1,6 @@
 """``metadata.json`` and the per-rank manifests: write, read, check the version.
 
-Files of a checkpoint directory (FORMAT.md section 1):
+Files of a checkpoint directory (``docs/format.md``):
 
 - ``rank_<r>.safetensors``: rank r's data file;
 - ``rank_<r>.json``: rank r's manifest, written atomically after its data

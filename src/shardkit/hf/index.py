@@ -1,7 +1,7 @@
 """The shard index: plan which tensor goes to which file, and read/write the index JSON.
 
 An index is ``{"metadata": {"total_size": N, ...}, "weight_map": {name: file}}``,
-the layout ``transformers`` writes (FORMAT.md section 2). Tied parameters are
+the layout ``transformers`` writes. Tied parameters are
 recorded as ``metadata["param_sharing"]``: groups of names whose first name is
 the one stored. Planning here is pure (names and byte counts in, names out);
 reading an index checks every file name before anything else is opened.
