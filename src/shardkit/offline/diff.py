@@ -7,6 +7,10 @@ both tensors (one pair at a time) and computing the largest absolute
 difference and the largest relative one, ``max|a - b| / max|a|``. Non-tensor
 values are compared too: numbers by value (``1`` equals ``1.0``), anything
 else (a DCP's bytes, sets, dtypes, tensors inside tuples) by type and value.
+Every tensor it reads from a shardkit checkpoint is verified block by block
+(a damaged one raises ``ChecksumError``: the CLI's exit 2); tensors judged
+identical from their recorded checksums are not read, so not verified
+(``verify=True`` / ``--verify`` reads them).
 
 Example::
 
