@@ -9,8 +9,8 @@ directory is the same kind to all of them. The order, first match wins:
    ``model.safetensors.index.json``, ``pytorch_model.bin``, ``pytorch_model.bin.index.json``;
 3. ``.metadata``: a PyTorch DCP checkpoint (``"dcp"``);
 4. no commit marker, but data files of a save that never finished:
-   ``rank_*.safetensors`` / ``rank_*.json`` (distributed), ``*.distcp`` (DCP),
-   ``model-*-of-*.safetensors`` / ``pytorch_model-*-of-*.bin`` (HF shards without their index).
+   ``rank_*.safetensors`` / ``rank_*.json`` (distributed), ``*.distcp`` (DCP).
+   (Hugging Face shards without their index are no checkpoint: the error lists them.)
 
 So a directory holding both ``metadata.json`` and a Hugging Face index is
 distributed to every tool (``metadata.json`` is written last, the commit of a
@@ -56,7 +56,6 @@ MARKERS = (
 _UNCOMMITTED = (
     (re.compile(r"^rank_\d+\.(safetensors|json)$"), DISTRIBUTED),
     (re.compile(r"^.*\.distcp$"), DCP),
-    (re.compile(r"^(model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin)$"), HF),
 )
 _EXPECTED = ("metadata.json (shardkit), model.safetensors[.index.json] or pytorch_model.bin[.index.json] "
              "(Hugging Face), or .metadata (PyTorch DCP)")
@@ -159,7 +158,7 @@ def detect_kind(path) -> str:
     if not found.committed:
         marker = next(m for m, k in MARKERS if k == found.kind)
         raise IncompleteCheckpointError(
-            f"{path} holds {KIND_NAMES[found.kind]} data files but no {marker if found.kind != HF else 'index'}: "
+            f"{path} holds {KIND_NAMES[found.kind]} data files but no {marker}: "
             f"the save never finished ({describe_names(names)}). Load an earlier checkpoint")
     return found.kind
 
