@@ -125,7 +125,7 @@ class FileRecord:
 
     def verify_views(self, index: int, views, *, file_name: str, holds: Holds = None) -> None:
         """Hash ``views`` (block ``index``'s bytes, in file order) and raise :class:`ChecksumError` unless they
-        are that block as saved: the one check every verified read ends in, copied or mapped.
+        are that block as saved (through :meth:`verify_digest`, the comparison every verified read ends in).
 
         Hashed with :func:`new_block_hasher` (the extension releases the GIL
         for updates of 64 KiB and more, so threads hash blocks in parallel).
