@@ -247,14 +247,14 @@ def test_damaged_or_hostile_files_get_typed_errors(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_shardkit_checkpoints_of_every_version_still_load_with_options(tmp_path):
-    from shardkit.checkpoint import ShardMetadata, TensorShardSpec, save_distributed
+def test_seed_format_checkpoints_load_with_options(tmp_path):
+    from safetensors.torch import save_file
 
     w = torch.randn(7, 3, dtype=torch.float64)
-    spec = ShardMetadata(2, {"net.w": TensorShardSpec((7, 3), 0, (4, 3))})
-    for rank in range(2):
-        save_distributed({"net": {"w": w[[0, 4][rank]:[4, 7][rank]]}}, tmp_path, rank, 2, spec)
-    assert json.loads((tmp_path / "metadata.json").read_text())["format_version"] == 1
+    (tmp_path / "metadata.json").write_text(json.dumps(
+        {"num_ranks": 2, "tensor_specs": {"net.w": {"full_shape": [7, 3], "shard_dim": 0, "shard_sizes": [4, 3]}}}))
+    save_file({"net.w": w[:4].contiguous()}, str(tmp_path / "rank_0.safetensors"))
+    save_file({"net.w": w[4:].contiguous()}, str(tmp_path / "rank_1.safetensors"))
     state = {"w": torch.zeros(7, 3)}
     ckpt.load(state, tmp_path, prefix="net.", cast=True)
     assert torch.equal(state["w"], w.float())

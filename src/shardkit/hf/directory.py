@@ -44,6 +44,7 @@ __all__ = [
     "CHECKPOINTS_DIR",
     "DISTRIBUTED_METADATA_NAME",
     "get_checkpoint_metadata",
+    "hf_layout",
     "validate_checkpoint",
     "checkpoint_problems",
     "find_latest_checkpoint",
@@ -101,6 +102,17 @@ def get_checkpoint_metadata(path: str) -> Optional[CheckpointMeta]:
     except MetadataError:  # a file, not a directory: no checkpoint
         return None
     return _CANDIDATES.get(found.marker) if found is not None else None
+
+
+def hf_layout(path: str) -> Optional[CheckpointMeta]:
+    """The Hugging Face layout in ``path`` (``from_pretrained``'s order), whatever else the directory holds,
+    or None: what a reader asked for the Hugging Face checkpoint there reads (``convert --from hf``)."""
+    from shardkit.sources.detect import HF, first_marker
+
+    try:
+        return _CANDIDATES.get(first_marker(path, HF) or "")
+    except MetadataError:
+        return None
 
 
 def validate_checkpoint(checkpoint_path: str) -> bool:

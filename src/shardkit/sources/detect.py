@@ -37,7 +37,7 @@ from typing import Iterable
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
 
 __all__ = ["DISTRIBUTED", "HF", "DCP", "KINDS", "KIND_NAMES", "MARKERS", "Found", "format_of_names", "find_format",
-           "detect_kind", "complete_kind", "format_problems", "describe_names"]
+           "first_marker", "detect_kind", "complete_kind", "format_problems", "describe_names"]
 
 DISTRIBUTED, HF, DCP = "distributed", "hf", "dcp"
 KINDS = (DISTRIBUTED, HF, DCP)
@@ -129,6 +129,20 @@ def find_format(path) -> Found | None:
     checkpoint or does not exist. ``MetadataError`` when ``path`` is a file."""
     names = _names(path)
     return None if names is None else format_of_names(names)
+
+
+def first_marker(path, kind: str) -> str | None:
+    """The first of ``kind``'s markers present in ``path`` in detection order (None: none), whatever other
+    kinds the directory holds: the layout a reader of that kind uses when asked for it (``--from hf``)."""
+    names = set(_names(path) if not _is_url(path) else _store_markers(path, kind))
+    return next((m for m, k in MARKERS if k == kind and m in names), None)
+
+
+def _store_markers(path, kind: str) -> list[str]:
+    from shardkit.storage import storage_for
+
+    store, root = storage_for(path)
+    return [m for m, k in MARKERS if k == kind and store.exists(store.join(root, m))][:1]
 
 
 def describe_names(names: Iterable[str], limit: int = 8) -> str:

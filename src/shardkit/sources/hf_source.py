@@ -32,7 +32,7 @@ from shardkit.checkpoint.plan import plan_load
 from shardkit.checkpoint.spec import TensorShardSpec
 from shardkit.dtypes import from_safetensors_name, to_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
-from shardkit.layout import Box
+from shardkit.layout import Box, whole_box
 from shardkit.sources.base import CheckpointSource, TensorInfo
 from shardkit.storage import storage_for
 
@@ -50,13 +50,14 @@ class HFSource(CheckpointSource):
     kind = "hf"
 
     def __init__(self, path: str):
-        from shardkit.hf.directory import get_checkpoint_metadata
+        from shardkit.hf.directory import hf_layout
         from shardkit.hf.index import load_shard_index
 
         super().__init__(path)
-        self.meta = get_checkpoint_metadata(path)
-        if self.meta is None or self.meta.distributed:
-            raise MetadataError(f"{path} holds no Hugging Face checkpoint")
+        self.meta = hf_layout(path)  # also beside a checkpoint of another kind, when asked for this one
+        if self.meta is None:
+            raise MetadataError(f"{path} holds no Hugging Face checkpoint: no model.safetensors[.index.json] or "
+                                f"pytorch_model.bin[.index.json]")
         self.index = load_shard_index(path, self.meta.file_name) if self.meta.is_index else None
         self.store, self.root = storage_for(path)
         self._infos: dict[str, TensorInfo] | None = None
@@ -92,9 +93,8 @@ class HFSource(CheckpointSource):
         return infos
 
     def read(self, name: str) -> torch.Tensor:
-        from shardkit.hf.load import load_checkpoint
-
-        return load_checkpoint(self.path, keys={name})[name]
+        """The whole tensor ``name``, read into fresh memory."""
+        return self.read_boxes({name: whole_box(self._info(name).shape)})[name]
 
     def read_into(self, name: str, out: torch.Tensor, offsets: tuple[int, ...] | None = None) -> None:
         self.read_boxes({name: Box(tuple(offsets or (0,) * out.dim()), tuple(out.shape))}, {name: out})
@@ -132,12 +132,16 @@ class HFSource(CheckpointSource):
         result.update(self._read_bin_boxes({n: b for n, b in want.items() if n not in chosen}, out))
         return result
 
-    def _safetensors(self, want: Mapping[str, Box]) -> dict[str, Box]:
+    def _info(self, name: str) -> TensorInfo:
         infos = self.tensors()
-        missing = [n for n in want if n not in infos]
-        if missing:
-            raise TensorMismatchError(f"{self.path} has no tensor {missing[0]!r}; it holds "
+        if name not in infos:
+            raise TensorMismatchError(f"{self.path} has no tensor {name!r}; it holds "
                                       f"{', '.join(sorted(infos)[:8]) or 'none'}")
+        return infos[name]
+
+    def _safetensors(self, want: Mapping[str, Box]) -> dict[str, Box]:
+        for name in want:
+            self._info(name)
         return {n: b for n, b in want.items() if self._file_of[n].endswith(".safetensors")}
 
     def _dtypes(self, names) -> dict[str, torch.dtype]:
