@@ -11,7 +11,9 @@
  * plain memcpy. Regions must not overlap (the Python wrapper checks).
  *
  * The module also holds Xxh3 (_xxh3_hasher.c): an xxh3-64 hasher that can
- * copy a slice and hash it in the same pass.
+ * copy a slice and hash it in the same pass; and DirectWriter
+ * (_direct_writer.c): a file's bytes copied, hashed and written with O_DIRECT
+ * by its own threads, the GIL released throughout.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -142,7 +144,7 @@ PyMODINIT_FUNC PyInit__stream_copy(void) {
     sk_xxh3_use_avx2(sk_have_avx2);
 #endif
     PyObject *module = PyModule_Create(&sk_module);
-    if (module != NULL && sk_add_xxh3_type(module) < 0) {
+    if (module != NULL && (sk_add_xxh3_type(module) < 0 || sk_add_direct_writer_type(module) < 0)) {
         Py_DECREF(module);
         return NULL;
     }

@@ -166,6 +166,39 @@ static void sk_fused_copy_update(XXH3_state_t *state, char *to, const char *from
 }
 #endif
 
+/* The plain-C face of the hasher, for the direct writer (_direct_writer.c): no Python objects, no GIL. */
+void *sk_xxh3_new(void) {
+    XXH3_state_t *state = XXH3_createState();
+    if (state != NULL) {
+        XXH3_64bits_reset(state);
+    }
+    return state;
+}
+
+void sk_xxh3_free(void *state) { XXH3_freeState((XXH3_state_t *)state); }
+
+uint64_t sk_xxh3_digest_reset(void *state) {
+    uint64_t digest = XXH3_64bits_digest((XXH3_state_t *)state);
+    XXH3_64bits_reset((XXH3_state_t *)state);
+    return digest;
+}
+
+void sk_xxh3_update(void *state, const void *data, size_t n) { SK_XXH3_UPDATE((XXH3_state_t *)state, data, n); }
+
+void sk_xxh3_copy_update(void *state, char *to, const char *from, size_t nbytes) {
+#ifdef SK_FUSED_AVX2
+    if (sk_fused_avx2) {
+        sk_fused_copy_update((XXH3_state_t *)state, to, from, nbytes);
+        return;
+    }
+#endif
+    for (size_t done = 0; done < nbytes; done += SK_FUSED_STRIDE) {
+        size_t n = nbytes - done < SK_FUSED_STRIDE ? nbytes - done : SK_FUSED_STRIDE;
+        sk_copy(to + done, from + done, n);
+        SK_XXH3_UPDATE((XXH3_state_t *)state, from + done, n);
+    }
+}
+
 typedef struct {
     PyObject_HEAD
     XXH3_state_t *state; /* heap: it must be 64-byte aligned */
@@ -238,16 +271,7 @@ static PyObject *xxh3_copy_update(Xxh3Object *self, PyObject *args) {
     const char *from = (const char *)(uintptr_t)src;
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, 1);
-#ifdef SK_FUSED_AVX2
-    if (sk_fused_avx2) {
-        sk_fused_copy_update(self->state, to, from, (size_t)nbytes);
-    } else
-#endif
-    for (size_t done = 0; done < (size_t)nbytes; done += SK_FUSED_STRIDE) {
-        size_t n = (size_t)nbytes - done < SK_FUSED_STRIDE ? (size_t)nbytes - done : SK_FUSED_STRIDE;
-        sk_copy(to + done, from + done, n);
-        SK_XXH3_UPDATE(self->state, from + done, n);
-    }
+    sk_xxh3_copy_update(self->state, to, from, (size_t)nbytes);
     PyThread_release_lock(self->lock);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;

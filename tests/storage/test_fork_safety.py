@@ -186,14 +186,16 @@ def test_a_bounce_buffer_changed_after_the_copy_fails_the_save_and_publishes_not
     directory = str(tmp_path / "ck")
     save_distributed(_state(1.0), directory, 0, 1, None)
     before = (tmp_path / "ck" / "rank_0.safetensors").read_bytes()
-    real_copy = direct_io.copy_bytes
+    real_pwrite = os.pwrite
 
-    def copy_then_corrupt(dst, src, nbytes):
-        real_copy(dst, src, nbytes)
-        if nbytes > 64:
-            ctypes.c_ubyte.from_address(dst + nbytes // 2).value ^= 0xFF
+    def corrupt_then_write(fd, data, offset):
+        # The bounce buffer changes after the copy (as another process writing through a shared buffer
+        # once changed it): the bytes written are not the tensors' bytes.
+        if len(data) > 64 and not memoryview(data).readonly:  # a bounce buffer, not a metadata file's bytes
+            ctypes.c_ubyte.from_address(ctypes.addressof(ctypes.c_char.from_buffer(data)) + len(data) // 2).value ^= 0xFF
+        return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(direct_io, "copy_bytes", copy_then_corrupt)
+    monkeypatch.setattr(os, "pwrite", corrupt_then_write)
     with pytest.raises(ChecksumError, match="differ from the tensors' bytes"):
         save_distributed(_state(2.0), directory, 0, 1, None)
     monkeypatch.undo()

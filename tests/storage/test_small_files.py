@@ -6,6 +6,7 @@ import torch
 from shardkit import knobs
 from shardkit.checkpoint import load_distributed, save_distributed, validate_distributed
 from shardkit.storage import LocalStorage, write_safetensors, writer
+from shardkit.storage.direct_io import DirectSink
 
 
 def _state():
@@ -28,11 +29,12 @@ def test_a_small_file_is_written_without_threads_and_equals_the_threaded_write(t
 def test_a_file_at_the_threshold_takes_the_threaded_path(tmp_path, monkeypatch):
     named = [("w", torch.ones(1024))]
     monkeypatch.setattr(knobs, "SMALL_FILE_BYTES", 1)
-    started = []
-    real = writer.ThreadPoolExecutor
-    monkeypatch.setattr(writer, "ThreadPoolExecutor", lambda *a, **k: started.append(1) or real(*a, **k))
+    sinks = []
+    real = LocalStorage.open_sink
+    monkeypatch.setattr(LocalStorage, "open_sink", lambda self, *a, **k: sinks.append(real(self, *a, **k)) or sinks[-1])
     write_safetensors(LocalStorage(), str(tmp_path / "w.safetensors"), named)
-    assert started
+    # Not the small-file sink (inline, no writeback): O_DIRECT's threads, or buffered writes with writeback.
+    assert isinstance(sinks[0], DirectSink) or sinks[0]._writeback
 
 
 def test_a_distributed_save_of_small_tensors_round_trips_and_validates(tmp_path, monkeypatch):

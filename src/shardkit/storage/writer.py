@@ -97,33 +97,61 @@ def write_safetensors(
     layout = file_layout([(name, to_safetensors_name(t.dtype), tuple(t.shape)) for name, t in named_tensors],
                          metadata)
     order = [named_tensors[i] for i in layout.order]
-    header = layout.header
-    hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES) if checksum else None
-    small = layout.size_bytes < knobs.SMALL_FILE_BYTES
     # Nothing to prepare between pieces (no lazy, device or strided tensor): the caller would only
     # wait for a writer thread, so the sink may write in the caller's thread.
     inline = all(_ready_as_is(t) for _, t in named_tensors)
+    with storage.atomic_writer(path, durable) as f:
+        sink = storage.open_sink(f, durable, checksum, size_bytes=layout.size_bytes, inline=inline)
+        if getattr(sink, "hashes_source", False) or (not checksum and hasattr(sink, "write_many")):
+            return _write_in_one_pass(path, sink, layout.header, order, checksum)
+        return _write_pieces(path, sink, layout, order, checksum)
+
+
+def _write_in_one_pass(path: str, sink, header: bytes, order: list[tuple[str, TensorLike]],
+                       checksum: bool) -> FileRecord | None:
+    """Hand a sink that copies and hashes by itself (``storage.direct_io``) the whole file in as few
+    calls as there are lazy tensors plus one: each run of ready tensors is one ``write_many`` (one C
+    call, the GIL released throughout); a lazy or strided tensor is made ready alone, then written."""
+    try:
+        run: list[memoryview] = [memoryview(header)]
+        for _, t in order:
+            if _ready_as_is(t):
+                run.append(byte_view(t))
+                continue
+            sink.write_many(run)
+            run = [byte_view(_materialise(t))]
+            sink.write_many(run)  # copied when it returns: the tensor may go before the next is produced
+            run = []
+        sink.write_many(run)
+    finally:
+        sink.close()
+    return _record_of_written(path, sink.source_record(), sink.hasher) if checksum else None
+
+
+def _write_pieces(path: str, sink, layout, order: list[tuple[str, TensorLike]], checksum: bool) -> FileRecord | None:
+    """Hand ``sink`` the file piece by piece, hashing the pieces on a thread of their own (in file order)."""
+    header = layout.header
+    hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES) if checksum else None
+    small = layout.size_bytes < knobs.SMALL_FILE_BYTES
     # One hashing worker keeps the updates in file order; a small file is hashed inline.
     with _InlineCalls() if small else ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash") as hashing:
-        with storage.atomic_writer(path, durable) as f:
-            sink = storage.open_sink(f, durable, checksum, size_bytes=layout.size_bytes, inline=inline)
-            step = getattr(sink, "piece_bytes", None) or knobs.IO_CHUNK_BYTES
-            try:
-                for view, lazy in _views(header, order):
-                    for start in range(0, len(view), step):
-                        piece = view[start : start + step]
-                        if hasher is not None:
-                            hashing.submit(hasher.update, piece)
-                        sink.write(piece)
-                    if lazy:  # let it go before the next one is produced
-                        sink.drain()
-                        hashing.submit(lambda: None).result()
-            finally:
-                sink.close()
-            if hasher is None:
-                return None
-            # Inside the block: a mismatch must not publish the file.
-            return _record_of_written(path, hashing.submit(hasher.finish).result(), sink.hasher)
+        step = getattr(sink, "piece_bytes", None) or knobs.IO_CHUNK_BYTES
+        try:
+            for view, lazy in _views(header, order):
+                for start in range(0, len(view), step):
+                    piece = view[start : start + step]
+                    if hasher is not None:
+                        hashing.submit(hasher.update, piece)
+                    sink.write(piece)
+                if lazy:  # let it go before the next one is produced
+                    sink.drain()
+                    hashing.submit(lambda: None).result()
+        finally:
+            sink.close()
+        if hasher is None:
+            return None
+        # Called inside the atomic writer's block: a mismatch must not publish the file.
+        return _record_of_written(path, hashing.submit(hasher.finish).result(), sink.hasher)
 
 
 def _record_of_written(path: str, source: FileRecord, written_hasher: BlockHasher | None) -> FileRecord:
