@@ -24,9 +24,9 @@ ones (``checkpoint/load_source.py``), with name mapping, partial loads and casts
 
 What it does not do: it does not build the model/optimizer state (use
 ``get_state_dict`` / ``set_state_dict``), cast dtypes unless asked
-(``cast=True``), or add leaves the state lacks. Per-rank values that differ between ranks are not kept: plain
-leaves come from rank 0 (save such state as a tensor in a DTensor, or in a
-per-rank directory).
+(``cast=True``), or add leaves the state lacks. Per-rank values that differ
+between ranks are not kept: plain leaves come from rank 0 (save such state
+as a tensor in a DTensor, or in a per-rank directory).
 """
 
 from __future__ import annotations

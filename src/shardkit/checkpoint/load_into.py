@@ -7,7 +7,8 @@ rank's slice of the saved tensor of that name, in place, so resuming training
 needs no second copy of the state. Contiguous CPU tensors are read into
 directly (``execute.run_loads`` with ``outputs``); GPU and non-contiguous ones
 through temporary CPU tensors, at most ``knobs.LOAD_STAGE_BYTES`` of them at
-a time, then ``copy_`` (the fill engine every in-place load shares, ``checkpoint/fill.py``). Plain leaves that the checkpoint also holds are
+a time, then ``copy_`` (the fill engine every in-place load shares,
+``checkpoint/fill.py``). Plain leaves that the checkpoint also holds are
 replaced in their container (a tuple is rebuilt, since it cannot change).
 
 Every name, shape, dtype and file header is checked before any tensor byte
