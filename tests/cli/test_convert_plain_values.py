@@ -16,15 +16,12 @@ import torch
 from cli_helpers import assert_one_line_error, dcp_state, in_process
 from shardkit import knobs
 from shardkit.checkpoint import load_consolidated, save
+from shardkit.hf import distributed_to_hf
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 DCP_VALUES = {"best": math.inf, "worst": -math.inf, "loss": math.nan}
 DCP_BYTES = {"loader": b"\x80\x04state\x00", **DCP_VALUES}
-
-#: DcpSource.objects() (sources/readers.py, _plain) still leaves a DCP's bytes values out, with a log line, so
-#: convert drops them; admitting bytes there (shardkit's format holds them now) makes these pass.
-SOURCE_SKIPS_BYTES = pytest.mark.xfail(strict=True, reason="sources/readers.py: DcpSource.objects() skips bytes")
 
 
 def _dcp(path, state):
@@ -61,12 +58,10 @@ def test_convert_of_a_dcp_holding_infinities_and_nan_keeps_them(tmp_path):
     _convert_keeps(tmp_path, DCP_VALUES)
 
 
-@SOURCE_SKIPS_BYTES
 def test_convert_of_a_dcp_holding_bytes_and_infinities_keeps_them(tmp_path):
     _convert_keeps(tmp_path, DCP_BYTES)
 
 
-@SOURCE_SKIPS_BYTES
 def test_convert_refuses_bytes_over_the_limit_naming_the_value(tmp_path, monkeypatch):
     monkeypatch.setattr(knobs, "MAX_BYTES_VALUE", 16)
     src = _dcp(tmp_path / "dcp", {**dcp_state(), "blob": b"x" * 17})
@@ -106,3 +101,15 @@ def test_diff_compares_them_by_type_and_value(tmp_path):
     assert code == 1, out + err
     for name in ("loss", "blob", "best"):
         assert f"~ {name}  value" in out, (name, out)
+
+
+def test_distributed_to_hf_keeps_the_models_plain_values_in_strict_json_and_convert_gives_them_back(tmp_path):
+    values = {"best": math.inf, "loss": math.nan, "blob": b"\x00\xffstate", "scale": np.float32(0.5)}
+    save({"w": torch.ones(2, 3), **values}, tmp_path / "ck")
+    distributed_to_hf(str(tmp_path / "ck"), str(tmp_path / "hf"))   # model tensors, and the values beside them
+    index = _strict((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert set(index["metadata"]["shardkit_objects"]) == set(values)
+    code, _, err = in_process("convert", tmp_path / "hf", tmp_path / "back", "--to", "distributed", "-q")
+    assert code == 0, err
+    back = load_consolidated(str(tmp_path / "back"))
+    assert all(_same(back.get(k), v) for k, v in values.items()), {k: back.get(k) for k in values}

@@ -43,6 +43,7 @@ from shardkit.hf.shard_io import shard_header
 from shardkit.hf.untrusted import hostile_input, non_regular_problems
 from shardkit.storage import LazyTensor
 from shardkit.storage import storage_for
+from shardkit.storage.plain_values import encode_objects
 
 __all__ = ["distributed_to_hf", "hf_to_distributed", "load_distributed_flat", "read_config_file"]
 
@@ -126,7 +127,7 @@ def _converted_meta(objects: dict, all_names, names: dict, metadata: Optional[Di
     left_out = {n.split(".", 1)[0] for n in all_names} - {n.split(".", 1)[0] for n in names}
     kept = {n[len(stripped):]: v for n, v in objects.items()
             if n.startswith(stripped) and len(n) > len(stripped) and n.split(".", 1)[0] not in left_out}
-    return {**(metadata or {}), "shardkit_objects": kept} if kept else metadata
+    return {**(metadata or {}), "shardkit_objects": encode_objects(kept)} if kept else metadata
 
 
 def read_config_file(config: str) -> bytes:

@@ -35,6 +35,7 @@ from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box, whole_box
 from shardkit.sources.base import CheckpointSource, TensorInfo
 from shardkit.storage import storage_for
+from shardkit.storage.plain_values import decode_value
 
 __all__ = ["HFSource", "tied_aliases"]
 
@@ -179,7 +180,11 @@ class HFSource(CheckpointSource):
     def objects(self) -> dict[str, Any]:
         if self.index is None:
             return {}
-        return dict((self.index.get("metadata") or {}).get("shardkit_objects") or {})
+        saved = (self.index.get("metadata") or {}).get("shardkit_objects") or {}
+        if not isinstance(saved, dict):
+            raise MetadataError(f"{self.path}: the index's metadata.shardkit_objects is a "
+                                f"{type(saved).__name__}, not an object of plain values by name")
+        return {name: decode_value(raw, f"shardkit_objects.{name}") for name, raw in saved.items()}
 
     def close(self) -> None:
         if self._files is not None:

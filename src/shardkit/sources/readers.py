@@ -167,10 +167,10 @@ class DcpSource(CheckpointSource):
         self.checkpoint.read_into(name, out, offsets)
 
     def objects(self) -> dict[str, Any]:
-        """The DCP's plain values (numbers, strings, and lists, tuples and string-keyed dicts of them).
+        """The DCP's plain values (numbers, strings, bytes, and lists, tuples and string-keyed dicts of them).
 
         A damaged value raises (it is part of the checkpoint); one that is not
-        plain data (bytes, a set, a dtype, a tuple holding a tensor) is left
+        plain data (a set, a dtype, a tuple holding a tensor) is left
         out, with a log line: :meth:`all_values` has those too.
         """
         out = {}
@@ -191,8 +191,8 @@ class DcpSource(CheckpointSource):
 
 
 def _plain(value, depth: int = 0) -> bool:
-    """None, a bool, int, float or str, or a list, tuple or str-keyed dict of those (nested < 32 deep)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    """None, a bool, int, float, str or bytes, or a list, tuple or str-keyed dict of those (nested < 32 deep)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, bytearray)):
         return True
     if depth >= 32:
         return False
