@@ -39,3 +39,66 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0:
         return True
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def save_v1(state_dict, directory, rank: int, world_size: int, shard_spec, *, metadata=None) -> None:
+    """Write ``state_dict`` as shardkit's version-1 writer did (no group): tests of the version-1 readers.
+
+    shardkit no longer writes version 1 (``save_distributed`` writes version 2); this fixture writes what
+    it wrote: ``rank_<r>.safetensors`` (rank r's slice of each sharded tensor, plus the replicated tensors
+    it owns, owners spread by bytes), ``rank_<r>.json`` with its file record and the save's ``save_id``,
+    and, from rank 0, ``metadata.json`` (``format_version`` 1) with its own record only.
+    """
+    import json as _json
+
+    import xxhash
+
+    from shardkit.checkpoint.manifest import (
+        METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_json,
+        rank_manifest_name, write_json)
+    from shardkit.checkpoint.nested import flatten
+    from shardkit.checkpoint.spec import as_spec_dict
+    from shardkit.dtypes import to_safetensors_name
+    from shardkit.storage import storage_for, write_safetensors
+
+    flat = flatten(state_dict)
+    specs = as_spec_dict(shard_spec, world_size)
+    replicated = {n: max(t.numel() * t.element_size(), 1) for n, t in flat.tensors.items()
+                  if n not in specs or specs[n].shard_dim is None}
+    load, owner_of = [0] * world_size, {}
+    for name in sorted(replicated, key=lambda n: (-replicated[n], n)):
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        owner_of[name], load[owner] = owner, load[owner] + replicated[name]
+    saved = {n: SavedTensor(specs.get(n) or TensorShardSpec(tuple(t.shape), None, ()), to_safetensors_name(t.dtype),
+                            owner_of.get(n)) for n, t in flat.tensors.items()}
+    manifest = Manifest(1, world_size, saved, {}, flat.objects, flat.structure, dict(metadata or {}))
+    text = _json.dumps([manifest_to_json(Manifest(1, world_size, saved))["tensor_specs"], flat.objects,
+                        flat.structure, manifest.user_metadata], sort_keys=True, default=str)
+    manifest.save_id = xxhash.xxh3_64_hexdigest(text.encode())
+    storage, root = storage_for(str(directory))
+    storage.makedirs(root)
+    names = ([METADATA_FILE] if rank == 0 else []) + [rank_manifest_name(rank)]
+    storage.remove_files([storage.join(root, n) for n in names])
+    named = [(n, t) for n, t in flat.tensors.items() if n not in owner_of or owner_of[n] == rank]
+    record = write_safetensors(storage, storage.join(root, data_file_name(rank)), named,
+                               {"format": "pt", "shardkit.rank": str(rank), "shardkit.num_ranks": str(world_size)})
+    records = {data_file_name(rank): record}
+    write_json(storage, storage.join(root, rank_manifest_name(rank)),
+               rank_manifest_json(rank, world_size, records, manifest.save_id))
+    if rank == 0:
+        manifest.files = records
+        write_json(storage, storage.join(root, METADATA_FILE), manifest_to_json(manifest))
+
+
+def save_full_v1(full_state: dict, directory, world_size: int, dims: dict, *, extra=None):
+    """:func:`save_full`, written in version 1 (:func:`save_v1`)."""
+    specs = {n: TensorShardSpec(tuple(full_state[n].shape), d, tuple(compute_shard_sizes(full_state[n].shape[d],
+                                                                                         world_size)))
+             for n, d in dims.items()}
+    meta = ShardMetadata(world_size, specs)
+    for rank in range(world_size):
+        local = {n: rank_slice(t, dims.get(n), list(specs[n].shard_sizes) if n in specs else None, rank)
+                 for n, t in full_state.items()}
+        local.update(extra or {})
+        save_v1(local, directory, rank, world_size, meta)
+    return meta

@@ -36,7 +36,6 @@ from shardkit.checkpoint import (
     load_region,
     read_metadata,
     reshard,
-    save_distributed,
     validate_distributed,
 )
 from shardkit.errors import ShardkitError
@@ -56,11 +55,14 @@ class Outcome:
 
 
 def save_small(directory) -> None:
-    """Two ranks: model.w [4, 3] sharded on dim 0, model.b replicated, a plain leaf ``step``."""
+    """Two ranks: model.w [4, 3] sharded on dim 0, model.b replicated, a plain leaf ``step``; format version 1
+    (``ckpt_helpers.save_v1``: these tests edit its fields and rank manifests)."""
+    from ckpt_helpers import save_v1
+
     spec = ShardMetadata(2, {"model.w": TensorShardSpec((4, 3), 0, (2, 2))})
     for rank in range(2):
         state = {"model": {"w": torch.arange(6.0).reshape(2, 3) + rank * 6, "b": torch.ones(2)}, "step": 3}
-        save_distributed(state, directory, rank, 2, spec)
+        save_v1(state, directory, rank, 2, spec)
 
 
 def read_json(path):

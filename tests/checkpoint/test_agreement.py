@@ -152,12 +152,12 @@ def test_agree_without_a_group_runs_the_commit_here():
 
 
 def test_save_distributed_whose_commit_fails_on_rank0_fails_every_rank_and_commits_nothing(tmp_path, monkeypatch):
-    import shardkit.checkpoint.distributed_save as save_module
+    import shardkit.checkpoint.chunked_save as save_module   # the one engine save_distributed commits through
 
     def no_commit(*a, **k):
         raise OSError("no space left for metadata.json")
 
-    monkeypatch.setattr(save_module, "_commit", no_commit)
+    monkeypatch.setattr(save_module, "commit", no_commit)
     spec = ShardMetadata(N, {"w": TensorShardSpec((6,), 0, (2, 2, 2))})
     gs = Group.local(N, timeout=30)
 

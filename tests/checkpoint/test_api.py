@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 from safetensors.torch import save_file
 
 import shardkit.checkpoint as ckpt
-from shardkit.checkpoint import ShardMetadata, TensorShardSpec, load_consolidated, save_distributed
+from ckpt_helpers import save_v1
+from shardkit.checkpoint import ShardMetadata, TensorShardSpec, load_consolidated
 from shardkit.checkpoint.chunk_plan import plan_chunks
 from shardkit.errors import MetadataError, TensorMismatchError
 
@@ -66,8 +67,8 @@ def test_strict_false_ignores_leaves_the_state_lacks(tmp_path):
 def test_version_1_checkpoints_load_and_reshard_through_load(tmp_path):
     sizes = (4, 3)
     spec = ShardMetadata(2, {"w": TensorShardSpec((7, 3), 0, sizes)})
-    for rank in range(2):   # no group: each rank saves alone, as the seed did
-        save_distributed({"w": W[sum(sizes[:rank]):sum(sizes[:rank + 1])], "step": 3}, tmp_path, rank, 2, spec)
+    for rank in range(2):   # no group: each rank saves alone, as the seed did (shardkit writes version 2 now)
+        save_v1({"w": W[sum(sizes[:rank]):sum(sizes[:rank + 1])], "step": 3}, tmp_path, rank, 2, spec)
     assert json.loads((tmp_path / "metadata.json").read_text())["format_version"] == 1
     target = {"w": torch.zeros(7, 3), "step": 0}
     ckpt.load(target, tmp_path)

@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from ckpt_helpers import save_full
+from ckpt_helpers import save_full_v1
 from shardkit import knobs
 from shardkit.checkpoint import load_distributed, load_region, reshard, validate_distributed
 from shardkit.errors import (
@@ -22,8 +22,9 @@ from shardkit.errors import (
 
 @pytest.fixture()
 def ckpt(tmp_path):
-    save_full({"w": torch.arange(64, dtype=torch.float32).reshape(16, 4), "b": torch.ones(3)},
-              tmp_path, 2, {"w": 0}, extra={"step": 3})
+    # Format version 1 (ckpt_helpers.save_full_v1): these tests edit its fields and rank manifests.
+    save_full_v1({"w": torch.arange(64, dtype=torch.float32).reshape(16, 4), "b": torch.ones(3)},
+                 tmp_path, 2, {"w": 0}, extra={"step": 3})
     return tmp_path
 
 

@@ -48,8 +48,11 @@ CASES = [
     ("rank1-mid-data", 2, {"at": "bytes", "file": "rank_1.safetensors", "n": 5_000}),
     ("rank1-data-not-renamed", 2, {"at": "before_publish", "file": "rank_1.safetensors"}),
     ("rank1-between-data-and-manifest", 2, {"at": "after_publish", "file": "rank_1.safetensors"}),
-    # Without a group rank 0 commits alone; rank 1 dies before it starts (before withdrawing its old manifest).
-    ("rank0-committed-rank1-not-started", 2, {"at": "after_publish", "file": "metadata.json"}),
+    # Without a group rank 0 finishes alone (format 2: its rank_0.json is its last file; the last rank to
+    # finish commits); rank 1 dies before it starts (before withdrawing its old manifest).
+    ("rank0-committed-rank1-not-started", 2, {"at": "after_publish", "file": "rank_0.json"}),
+    # Both ranks wrote their files; the last one dies just before publishing metadata.json.
+    ("last-rank-metadata-not-renamed", 2, {"at": "before_publish", "file": "metadata.json"}),
     # ... and the other way round: rank 1 finished first, rank 0 dies before withdrawing the old metadata.
     ("rank1-done-rank0-not-started", 2, {"at": "after_publish", "file": "rank_1.json", "ranks": [1, 0]}),
 ]

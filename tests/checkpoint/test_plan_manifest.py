@@ -7,25 +7,29 @@ import torch
 
 from shardkit.checkpoint.manifest import Manifest, SavedTensor, manifest_to_json, parse_manifest
 from shardkit.checkpoint.nested import flatten, select_names, unflatten
-from shardkit.checkpoint.plan import plan_load, plan_save, wanted_box
+from shardkit.checkpoint.plan import plan_load, spec_chunk_plan, wanted_box
 from shardkit.checkpoint.spec import TensorShardSpec
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box
 
 
+def _writers(plan, name):
+    return sorted(plan.tensors[name].box_to_writer.values())
+
+
 def test_save_plan_spreads_replicated_owners_by_bytes():
-    sizes = {"big": 1000, "mid": 600, "small": 500, "tiny": 10, "w": 4000}
-    specs = {"w": TensorShardSpec((8,), 0, (4, 4))}
-    plans = [plan_save(sizes, specs, r, 2) for r in range(2)]
-    assert plans[0].owner_of == plans[1].owner_of            # every rank computes the same owners
-    assert plans[0].owner_of == {"big": 0, "mid": 1, "small": 1, "tiny": 0}
-    written = plans[0].write_names + plans[1].write_names
+    shapes = {"big": (250,), "mid": (150,), "small": (125,), "tiny": (3,), "w": (1000,)}   # F32: 4 bytes each
+    specs = {"w": TensorShardSpec((1000,), 0, (500, 500))}
+    plan = spec_chunk_plan({n: (s, "F32") for n, s in shapes.items()}, specs, 2, {"F32": 4}.get)
+    assert {n: _writers(plan, n) for n in shapes} == {"big": [0], "mid": [1], "small": [1], "tiny": [0], "w": [0, 1]}
+    written = plan.writes[0] + plan.writes[1]
     assert sorted(written) == sorted(["w", "w", "big", "mid", "small", "tiny"])  # replicated once each
 
 
-def test_save_plan_spreads_empty_tensors_too():
-    owners = plan_save({f"e{i}": 0 for i in range(4)}, {}, 0, 4).owner_of
-    assert sorted(owners.values()) == [0, 1, 2, 3]
+def test_save_plan_gives_empty_tensors_and_boxes_no_chunk():
+    specs = {"s": TensorShardSpec((4, 3), 0, (4, 0))}
+    plan = spec_chunk_plan({"e": ((0,), "F32"), "s": ((4, 3), "F32")}, specs, 2, {"F32": 4}.get)
+    assert plan.tensors["e"].box_to_writer == {} and plan.writes == [["s"], []]
 
 
 def _saved(shape, dim, sizes, owner=None):

@@ -4,9 +4,17 @@
 staging buffers (pinned host memory for CUDA tensors; non-blocking copies,
 then one synchronize per device) and returns a :class:`CheckpointFuture`
 at once; a background thread then writes the staged copy with
-:func:`shardkit.checkpoint.save_distributed`. The checkpoint therefore holds
-the values as they were when :meth:`AsyncCheckpointer.save_async` returned,
-however the caller changes the tensors afterwards.
+:func:`shardkit.checkpoint.save_distributed`, i.e. format version 2 through
+the one write engine ``save`` and ``async_save`` use
+(``chunked_save.write_and_commit``; ``write_data_file`` and ``commit``
+without a group). The checkpoint therefore holds the values as they were
+when :meth:`AsyncCheckpointer.save_async` returned, however the caller
+changes the tensors afterwards. Its thread is its own, not ``async_save``'s
+queue (``api.start_background``): ``save_async`` issues no collective on the
+caller's thread (the layout agreement runs on the background thread, over
+the dedicated group) and refuses a second save in flight instead of
+queueing it, while ``start_background`` takes a save whose layout the ranks
+already agreed on.
 
 What it does not do: it does not run two saves at once (a second
 ``save_async`` while one is in flight raises

@@ -43,7 +43,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -57,11 +58,11 @@ from shardkit.checkpoint.dtensor_layout import local_box
 from shardkit.checkpoint.agreement import agree, attempt, describe as describe_error
 from shardkit.checkpoint.group import SLOT_BYTES, exchange
 from shardkit.checkpoint.manifest import (
-    CHUNKED_VERSION, METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, write_json,
+    CHUNKED_VERSION, METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_name,
+    write_json,
 )
 from shardkit.checkpoint.nested import flatten
 from shardkit.checkpoint.rank_state import check_reserved, rank_state_objects, rank_state_report
-from shardkit.checkpoint.distributed_save import _user_metadata, _withdraw
 from shardkit.checkpoint.spec import TensorShardSpec
 from shardkit.checkpoint.writer_choice import full_plan, own_writes
 from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes, to_safetensors_name
@@ -70,11 +71,13 @@ from shardkit.layout import Box
 from shardkit.storage import FileLayout, FileRecord, Storage, file_layout, write_safetensors
 from shardkit.storage.json_io import gc_paused
 
-__all__ = ["Prepared", "prepare", "write_and_commit"]
+__all__ = ["Prepared", "prepare", "write_and_commit", "snapshot_metadata", "withdraw", "write_data_file", "commit"]
 
 
 @dataclass
 class Prepared:
+    """A planned save: what this rank writes, and (rank 0, or whoever commits) what ``metadata.json`` holds."""
+
     rank: int
     world_size: int
     full_plan: Callable[[], ChunkPlan]    # every rank's writes (rank 0 calls it when it commits)
@@ -82,6 +85,7 @@ class Prepared:
     objects: dict[str, Any]
     structure: Any
     user_metadata: dict
+    split_dims: dict[str, int] = field(default_factory=dict)   # name -> shard_spec dimension (save_distributed)
 
 
 _WITHDRAW_STEP = "locking the directory and withdrawing the previous metadata"
@@ -92,6 +96,33 @@ _LAYOUT_SLOT_BYTES = 160
 #: The save's rounds (step, gather slot) in order: what ``bench/scale_bench.py`` times alone.
 ROUND_SLOTS = (("preparing the save", _LAYOUT_SLOT_BYTES), (_WITHDRAW_STEP, _ERROR_SLOT_BYTES),
                ("writing the data files", SLOT_BYTES))
+
+
+def snapshot_metadata(metadata) -> dict:
+    """A JSON copy of a save's ``metadata=`` (None: ``{}``): a background save writes what the caller passed,
+    not later edits. Raises ``TypeError`` for anything JSON cannot hold (nothing is pickled).
+
+    >>> snapshot_metadata({"note": "hi"})
+    {'note': 'hi'}
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a JSON-serialisable dict, got {type(metadata).__name__}")
+    try:
+        text = json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metadata must be JSON-serialisable (nothing is pickled): {e}") from e
+    return json.loads(text)
+
+
+def withdraw(storage: Storage, directory: str, rank: int, *, commit: bool | None = None) -> None:
+    """Remove the old commit before a byte is written: ``metadata.json`` (``commit``; default: on rank 0)
+    and this rank's ``rank_<r>.json``, so an interrupted overwrite reads as incomplete, never as an old
+    manifest over new files. Call it with the writer lock held (which made the directory); one request
+    on an object store."""
+    names = ([METADATA_FILE] if (rank == 0 if commit is None else commit) else []) + [rank_manifest_name(rank)]
+    storage.remove_files([storage.join(directory, n) for n in names])
 
 
 def _all(coordinator, value, step: str) -> list:
@@ -137,7 +168,7 @@ def _mine(state_dict, rank_state, rank: int, world_size: int, metadata) -> _Mine
         agree = own_boxes_agree(desc, boxes, global_rank, rank)
     except Exception:  # noqa: BLE001 - a prediction that fails is one not to plan from
         agree = False
-    return _Mine(boxes, {**local, **rows}, flat, rank_objects, _user_metadata(metadata), desc, global_rank, agree)
+    return _Mine(boxes, {**local, **rows}, flat, rank_objects, snapshot_metadata(metadata), desc, global_rank, agree)
 
 
 def prepare(state_dict, coordinator, rank: int, world_size: int, metadata=None, rank_state=None) -> Prepared:
@@ -179,12 +210,18 @@ def _header_digest(layout: FileLayout) -> str:
     return xxhash.xxh3_64_hexdigest(layout.header)
 
 
-def _write_file(storage: Storage, directory: str, prep: Prepared) -> dict:
-    named = list(prep.to_write.items())
-    metadata = _file_metadata(prep.rank, prep.world_size)
-    record = write_safetensors(storage, storage.join(directory, data_file_name(prep.rank)), named, metadata)
+def write_data_file(storage: Storage, directory: str, rank: int, world_size: int, named: list) -> dict:
+    """Write ``rank_<rank>.safetensors`` holding ``named`` (``(name, tensor or LazyTensor)``, each the
+    tensor's chunk this rank writes); returns what the commit checks it by: ``{"record", "header"}``
+    (the file's record as JSON and its header's digest)."""
+    metadata = _file_metadata(rank, world_size)
+    record = write_safetensors(storage, storage.join(directory, data_file_name(rank)), named, metadata)
     layout = file_layout([(n, to_safetensors_name(t.dtype), tuple(t.shape)) for n, t in named], metadata)
     return {"record": record.to_json(), "header": _header_digest(layout)}
+
+
+def _write_file(storage: Storage, directory: str, prep: Prepared) -> dict:
+    return write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()))
 
 
 def _check_written(rank: int, layout: FileLayout, written: dict) -> FileRecord:
@@ -197,6 +234,15 @@ def _check_written(rank: int, layout: FileLayout, written: dict) -> FileRecord:
             f"({len(layout.entries)} tensors); the ranks planned different writes. Nothing was committed: "
             f"report a bug with the state's layout")
     return record
+
+
+def commit(storage: Storage, directory: str, prep: Prepared, written: list[dict]) -> None:
+    """Write ``metadata.json`` (version 2) for ``prep``'s whole plan, once every rank's file is written:
+    ``written[r]`` is rank r's :func:`write_data_file` result, checked against the plan (``MetadataError``
+    naming the rank whose file differs; nothing committed)."""
+    with gc_paused():  # O(ranks x tensors) objects at once: no full collection in the middle
+        manifest = manifest_to_json(_manifest(prep, written))
+    write_json(storage, storage.join(directory, METADATA_FILE), manifest)  # the write waits: outside the pause
 
 
 def _manifest(prep: Prepared, written: list[dict]) -> Manifest:
@@ -214,13 +260,15 @@ def _manifest(prep: Prepared, written: list[dict]) -> Manifest:
     for name, t in plan.tensors.items():
         chunks = tuple(Chunk(data_file_name(r), box.offsets, box.sizes, *ranges[r][name])
                        for box, r in sorted(t.box_to_writer.items(), key=lambda br: br[0].offsets))
-        tensors[name] = SavedTensor(TensorShardSpec(t.full_shape, None, ()), t.dtype, None, chunks)
+        tensors[name] = SavedTensor(TensorShardSpec(t.full_shape, None, ()), t.dtype, None, chunks,
+                                    prep.split_dims.get(name))
     return Manifest(CHUNKED_VERSION, prep.world_size, tensors, files, prep.objects, prep.structure,
                     prep.user_metadata)
 
 
 def write_and_commit(prep: Prepared, storage: Storage, directory: str, coordinator,
-                     before_write: Callable[[], None] | None = None, *, failed: BaseException | None = None) -> None:
+                     before_write: Callable[[], None] | None = None, *, failed: BaseException | None = None,
+                     locked: bool = False) -> None:
     """Write this rank's file and, on rank 0, ``metadata.json`` last; collectives on ``coordinator``.
 
     ``before_write`` runs on rank 0 before anything is touched (the manager
@@ -230,31 +278,32 @@ def write_and_commit(prep: Prepared, storage: Storage, directory: str, coordinat
     (``CheckpointBusyError``) and touches nothing. ``failed``: this rank
     could not get its part ready (staging ran out of memory); it touches
     nothing and reports that at the first exchange, so every rank's save
-    fails there at once instead of waiting for it until the group's timeout.
+    fails there at once instead of waiting for it until the group's timeout. ``locked``: the caller
+    already holds this rank's writer lock (``save_distributed`` takes it before its own first exchange).
     """
     with contextlib.ExitStack() as held:
-        _write_and_commit_locked(prep, storage, directory, coordinator, before_write, held, failed)
+        _write_and_commit_locked(prep, storage, directory, coordinator, before_write, None if locked else held,
+                                 failed)
 
 
 def _write_and_commit_locked(prep: Prepared, storage: Storage, directory: str, coordinator,
-                             before_write: Callable[[], None] | None, held: contextlib.ExitStack,
+                             before_write: Callable[[], None] | None, held: contextlib.ExitStack | None,
                              failed: BaseException | None) -> None:
-    def withdraw():
+    def lock_and_withdraw():
         # Locked inside the first step: a busy directory fails every rank before anything is touched.
-        held.enter_context(storage.writer_lock(
-            directory, slot=prep.rank, holder=f"shardkit.checkpoint.save rank {prep.rank} of {prep.world_size}"))
+        if held is not None:
+            held.enter_context(storage.writer_lock(
+                directory, slot=prep.rank, holder=f"shardkit.checkpoint.save rank {prep.rank} of {prep.world_size}"))
         if before_write is not None and prep.rank == 0:
             before_write()
-        _withdraw(storage, directory, prep.rank)
+        withdraw(storage, directory, prep.rank)
 
-    _, exc = attempt(withdraw) if failed is None else (None, failed)
+    _, exc = attempt(lock_and_withdraw) if failed is None else (None, failed)
     agree(coordinator, {"error": describe_error(exc)}, exc, _WITHDRAW_STEP, slot_bytes=_ERROR_SLOT_BYTES)
     written, exc = attempt(lambda: _write_file(storage, directory, prep))
 
-    def commit(statuses: list[dict]) -> None:            # rank 0, once every rank wrote its file
-        with gc_paused():  # O(ranks x tensors) objects at once: no full collection in the middle
-            manifest = manifest_to_json(_manifest(prep, [s["written"] for s in statuses]))
-        write_json(storage, storage.join(directory, METADATA_FILE), manifest)  # the write waits: outside the pause
+    def on_root(statuses: list[dict]) -> None:            # rank 0, once every rank wrote its file
+        commit(storage, directory, prep, [s["written"] for s in statuses])
 
     agree(coordinator, {"error": describe_error(exc), "written": written}, exc, "writing the data files",
-          on_root=commit, root_step="writing metadata.json")
+          on_root=on_root, root_step="writing metadata.json")

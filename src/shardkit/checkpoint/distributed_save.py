@@ -1,54 +1,44 @@
-"""``save_distributed``: every rank writes its shard; the manifest is committed last.
+"""``save_distributed``: a ``shard_spec`` save, written as format version 2 by the one chunked engine.
 
-Order of a save (FORMAT.md invariants 1-3):
+``shard_spec`` (a :class:`TensorShardSpec` per sharded tensor: the dimension
+and one size per rank) gives every rank's box of every tensor, so each rank
+computes the whole chunked plan itself (``plan.spec_chunk_plan``): rank r
+writes its box of each sharded tensor, each replicated tensor is written
+once, the writers spread by bytes. The files and ``metadata.json`` are the
+ones ``save`` writes (``chunked_save``: ``write_and_commit`` with a group,
+``write_data_file`` and ``commit`` without). Version 1 is read, never written.
 
-1. check the inputs and plan (which tensors this rank writes);
-2. take this rank's writer lock on the directory (``Storage.writer_lock``,
-   slot = rank): a second save into a directory being written fails at once
-   with :class:`~shardkit.errors.CheckpointBusyError` naming the writer; a
-   killed writer leaves no stuck lock. With a group every rank locks before
-   the first exchange, so a busy directory fails the whole group before
-   anything is touched;
-3. without a group, refuse to overwrite (below);
-4. withdraw the old commit first: rank 0 removes ``metadata.json`` and each
-   rank removes its ``rank_<r>.json``, so an interrupted overwrite of a
-   directory reads as *incomplete*, never as an old manifest describing new,
-   half-written files;
-5. write ``rank_<r>.safetensors`` (atomically, with block checksums), then
-   ``rank_<r>.json`` with its record;
-6. rank 0 writes ``metadata.json``; the lock is released.
+With a group (three rounds, each one gather to rank 0 and one broadcast of
+its verdict, ``agreement.agree``): the ranks agree on the layout's digest
+(a failure or a disagreement fails every rank before anything is touched);
+then each rank locks its slot (``Storage.writer_lock``: a second save into a
+directory being written fails at once with :class:`CheckpointBusyError`),
+rank 0 withdraws the old ``metadata.json``; then every rank writes its file
+and rank 0 commits ``metadata.json`` last, after every rank reported its file.
 
-With a group, ranks agree at each of three steps (``agreement.agree``: the
-ranks' small JSON statuses are gathered to rank 0, which broadcasts its
-verdict; no pickle, O(ranks) messages a step): prepare and lock, withdraw,
-write and commit. Nobody writes data before rank 0 has withdrawn the old
-metadata, and rank 0 commits only after every rank reported its file
-(their records go into ``metadata.json``); a failure on any rank fails the
-save on every rank. Without a group each rank proceeds alone, as in the
-seed; the per-rank manifests then tell whether every rank finished.
+Without a group each rank saves alone (several ranks called in one process,
+or separate processes): it locks its slot, withdraws the old commit
+(``metadata.json``, its own ``rank_<r>.json``), writes
+``rank_<r>.safetensors``, then ``rank_<r>.json`` (its file's record and the
+save's ``save_id``: a digest of the layout, the plain values, ``metadata`` and
+the launcher's attempt), then looks for every other rank's ``rank_<r>.json``
+of the same ``save_id``. The rank that finds them all (the last to finish)
+writes ``metadata.json`` with every file's record: its presence means the
+whole checkpoint is there, as with a group. Two ranks finishing together may
+both write it, byte for byte the same.
 
-Overwriting. Saving each step into a fresh directory is the recommended
-use: the previous checkpoint is then never touched. Overwriting a directory
-in place is crash-safe with a group (the ranks agree), and with
-``world_size == 1`` (one writer: the old commit is withdrawn before a byte
-is written, so a cut-short save reads as incomplete, never as a mix); both
-are always allowed. Without a group and with several ranks, the ranks
-cannot agree on anything at save time: ``metadata.json`` and every
-``rank_<r>.json`` carry a ``save_id`` (a digest of the layout, the plain
-values and ``metadata``) and a rank manifest counts only if its id matches,
-which keeps old and new rank files apart as long as the state carries
-something that changes between saves (the step). When it does not (a
-resumed job saving the same step again) and the save is cut short, the
-directory would validate and load the new files of the ranks that finished
-with the old files of the others. Such a save is therefore refused with
-:class:`~shardkit.errors.CheckpointExistsError` before it touches anything:
-rank ``r`` refuses when its own ``rank_<r>.json`` or ``rank_<r>.safetensors``
-is there (rank 0 also ``metadata.json``), files only an earlier save can
-have written, never ones a faster rank of the same save may just have
-written. ``overwrite=True`` allows it, with exactly the risk above. Without
-a group every rank must pass the same plain values and ``metadata`` (they
-are stored once anyway). This module does not stage tensors for background
-saving (see ``async_save``).
+Overwriting. Saving each step into a fresh directory is the recommended use.
+Overwriting in place is crash-safe with a group and with ``world_size == 1``.
+Without a group and with several ranks, the ``save_id`` keeps old and new
+rank records apart as long as the state carries something that changes
+between saves (the step); when it does not and the save is cut short, the
+last rank could commit its new file beside another rank's old one. Such a
+save is refused with :class:`CheckpointExistsError` before it touches
+anything: rank ``r`` refuses when its own ``rank_<r>.json`` or
+``rank_<r>.safetensors`` is there (rank 0 also ``metadata.json``), files only
+an earlier save can have written. ``overwrite=True`` allows it, with exactly
+that risk. Every rank must pass the same plain values and ``metadata``. This
+module does not stage tensors for background saving (see ``async_save``).
 
 Example::
 
@@ -60,51 +50,57 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 
 import xxhash
 
+from shardkit import knobs
+
 from shardkit.checkpoint.agreement import FIRST_STEP, agree, attempt, describe
+from shardkit.checkpoint.chunked_save import Prepared, commit, snapshot_metadata, withdraw, write_and_commit, \
+    write_data_file
 from shardkit.checkpoint.group import resolve_group
 from shardkit.checkpoint.logs import logged
 from shardkit.checkpoint.manifest import (
-    METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_json,
-    rank_manifest_name, write_json,
+    CHUNKED_VERSION, METADATA_FILE, RANK_FORMAT, data_file_name, rank_manifest_name, write_json,
 )
-from shardkit.checkpoint.nested import Flat, flatten
-from shardkit.checkpoint.plan import SavePlan, plan_save
+from shardkit.checkpoint.nested import flatten
+from shardkit.checkpoint.plan import spec_chunk_plan
+from shardkit.checkpoint.rank_state import check_reserved
 from shardkit.checkpoint.spec import TensorShardSpec, as_spec_dict, check_local_tensor, check_world
-from shardkit.dtypes import to_safetensors_name
-from shardkit.errors import CheckpointExistsError, TensorMismatchError
-from shardkit.storage import FileRecord, Storage, storage_for, write_safetensors
+from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes, to_safetensors_name
+from shardkit.errors import CheckpointExistsError, MetadataError, TensorMismatchError
+from shardkit.storage import Storage, parse_json_object, storage_for
 
-__all__ = ["save_distributed"]
+__all__ = ["save_distributed", "check_may_overwrite", "report_failed_save"]
 
-#: Gather slots (group.settle) that fit the usual status: an error-only one, and one with a layout digest.
-_ERROR_SLOT_BYTES = 32
+log = logging.getLogger("shardkit.checkpoint")
+
+#: Gather slot (group.settle) that fits the layout round's status: an error or a digest.
 _STATUS_SLOT_BYTES = 96
 
 
 @dataclass
-class _Prepared:
-    flat: Flat
-    plan: SavePlan
-    manifest: Manifest
-    digest: str
+class _Planned:
+    prep: Prepared
+    digest: str      # what every rank must agree on: names, shapes, dtypes, specs
+    save_id: str     # ties the rank records of one save without a group
 
 
 @logged("save_distributed")
 def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=None, metadata=None,
                      overwrite: bool = False) -> None:
-    """Save this rank's part of ``state_dict`` into the checkpoint directory ``dir``.
+    """Save this rank's part of ``state_dict`` into the checkpoint directory ``dir`` (format version 2).
 
     ``state_dict`` may be nested; tensors named (by dotted path) in
     ``shard_spec`` are this rank's slices, every other tensor is replicated
-    and written once, by its owner rank. Plain leaves and ``metadata``
+    and written once, by one rank. Plain leaves and ``metadata``
     (JSON-serialisable, stored as ``user_metadata``) go into ``metadata.json``.
     It does not return before this rank's files are durable; with a
-    ``group``, not before the whole checkpoint is committed.
+    ``group``, not before the whole checkpoint is committed; without one,
+    the last rank to finish commits it.
 
     Raises :class:`MetadataError` for a bad rank or spec, :class:`TensorMismatchError`
     for a tensor that does not fit its spec, ``TypeError`` for a leaf that
@@ -116,14 +112,14 @@ def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=Non
     coordinator = resolve_group(group, rank, world_size)
     storage, directory = storage_for(dir)
     if coordinator is None:
-        prep = _prepare(state_dict, rank, world_size, shard_spec, metadata)
-        _save_alone(storage, directory, prep, refuse_existing=world_size > 1 and not overwrite)
+        planned = _prepare(state_dict, rank, world_size, shard_spec, metadata)
+        _save_alone(storage, directory, planned, refuse_existing=world_size > 1 and not overwrite)
     else:
         _save_with_group(storage, directory, coordinator,
                          lambda: _prepare(state_dict, rank, world_size, shard_spec, metadata))
 
 
-def _prepare(state_dict, rank, world_size, shard_spec, user_metadata) -> _Prepared:
+def _prepare(state_dict, rank, world_size, shard_spec, metadata) -> _Planned:
     flat = flatten(state_dict)
     specs = as_spec_dict(shard_spec, world_size)
     for name in specs:
@@ -131,81 +127,49 @@ def _prepare(state_dict, rank, world_size, shard_spec, user_metadata) -> _Prepar
             what = "a plain value" if name in flat.objects else "not in the state"
             raise TensorMismatchError(f"shard_spec names {name!r}, which is {what}; on rank {rank} the "
                                       f"state's tensors are: {', '.join(sorted(flat.tensors)[:8]) or 'none'}")
-    saved = {}
+    check_reserved([*flat.tensors, *flat.objects])
+    tensors = {}
     for name, tensor in flat.tensors.items():
         if name == "__metadata__":
             raise TensorMismatchError("a tensor cannot be named '__metadata__' (safetensors reserves it)")
         spec = specs.get(name) or TensorShardSpec(tuple(tensor.shape), None, ())
         check_local_tensor(name, tuple(tensor.shape), spec, rank, world_size)
-        saved[name] = SavedTensor(spec, to_safetensors_name(tensor.dtype))
-    plan = plan_save({n: t.numel() * t.element_size() for n, t in flat.tensors.items()}, specs, rank, world_size)
-    saved = {n: SavedTensor(s.spec, s.dtype, plan.owner_of.get(n)) for n, s in saved.items()}
-    manifest = Manifest(1, world_size, saved, {}, flat.objects, flat.structure, _user_metadata(user_metadata))
-    manifest.save_id = _save_id(manifest)
-    return _Prepared(flat, plan, manifest, _digest(manifest))
+        tensors[name] = (spec.full_shape, to_safetensors_name(tensor.dtype))
+    plan = spec_chunk_plan(tensors, specs, world_size, lambda d: itemsize_bytes(NAME_TO_DTYPE[d]))
+    prep = Prepared(rank, world_size, lambda: plan, {n: flat.tensors[n] for n in plan.writes[rank]},
+                    flat.objects, flat.structure, snapshot_metadata(metadata),
+                    {n: s.shard_dim for n, s in specs.items() if s.shard_dim is not None})
+    digest = _digest(tensors, specs, world_size)
+    return _Planned(prep, digest, _save_id(digest, prep))
 
 
-def _user_metadata(metadata) -> dict:
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict):
-        raise TypeError(f"metadata must be a JSON-serialisable dict, got {type(metadata).__name__}")
-    try:
-        text = json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"metadata must be JSON-serialisable (nothing is pickled): {e}") from e
-    return json.loads(text)  # a snapshot: a background save writes what the caller passed, not later edits
-
-
-def _digest(m: Manifest) -> str:
-    # What every rank must agree on: names, layouts, dtypes, owners (not plain values).
-    layout = manifest_to_json(Manifest(1, m.num_ranks, m.tensors))["tensor_specs"]
-    return xxhash.xxh3_64_hexdigest(json.dumps(layout, sort_keys=True).encode())
+def _digest(tensors: dict, specs: dict, world_size: int) -> str:
+    layout = sorted((n, list(shape), dtype, specs[n].shard_dim if n in specs else None,
+                     list(specs[n].shard_sizes) if n in specs else []) for n, (shape, dtype) in tensors.items())
+    return xxhash.xxh3_64_hexdigest(json.dumps([world_size, layout]).encode())
 
 
 #: Set by launchers, equal on every rank of one attempt of a job, different for its restart or requeue.
 _ATTEMPT_ENV = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID", "SLURM_RESTART_COUNT")
 
 
-def _save_id(m: Manifest) -> str:
+def _save_id(digest: str, prep: Prepared) -> str:
     # Without a group, ranks cannot agree on a fresh id; the layout plus the plain
     # values and user metadata (equal on every rank) tell one save from another
     # whenever the state carries something that changes, such as the step. The
     # launcher's attempt tells a restarted job's save of a step from the files its
     # killed attempt left of the same step: those never complete the new one.
-    attempt = {name: os.environ.get(name) for name in _ATTEMPT_ENV}
-    text = json.dumps([_digest(m), m.objects, m.structure, m.user_metadata, attempt], sort_keys=True, default=str)
+    attempt_of = {name: os.environ.get(name) for name in _ATTEMPT_ENV}
+    text = json.dumps([digest, prep.objects, prep.structure, prep.user_metadata, attempt_of], sort_keys=True,
+                      default=str)
     return xxhash.xxh3_64_hexdigest(text.encode())
 
 
-def _withdraw(storage: Storage, directory: str, rank: int) -> None:
-    # Called with the writer lock held, which made the directory. One request on an object store.
-    names = ([METADATA_FILE] if rank == 0 else []) + [rank_manifest_name(rank)]
-    storage.remove_files([storage.join(directory, n) for n in names])
-
-
-def _write_rank_files(storage: Storage, directory: str, prep: _Prepared) -> dict[str, FileRecord]:
-    rank, world_size = prep.plan.rank, prep.plan.world_size
-    named = [(n, prep.flat.tensors[n]) for n in prep.plan.write_names]
-    file_name = data_file_name(rank)
-    record = write_safetensors(storage, storage.join(directory, file_name), named,
-                               {"format": "pt", "shardkit.rank": str(rank), "shardkit.num_ranks": str(world_size)})
-    records = {file_name: record}
-    write_json(storage, storage.join(directory, rank_manifest_name(rank)),
-               rank_manifest_json(rank, world_size, records, prep.manifest.save_id))
-    return records
-
-
-def _commit(storage: Storage, directory: str, prep: _Prepared, records: dict[str, FileRecord]) -> None:
-    prep.manifest.files = dict(records)
-    write_json(storage, storage.join(directory, METADATA_FILE), manifest_to_json(prep.manifest))
-
-
-def _lock(storage: Storage, directory: str, plan: SavePlan) -> contextlib.AbstractContextManager:
+def _lock(storage: Storage, directory: str, prep: Prepared):
     # One slot per rank: the ranks of one save never block each other, and rank 0's
     # slot is the one an HF save of the same directory takes.
-    return storage.writer_lock(directory, slot=plan.rank,
-                               holder=f"save_distributed rank {plan.rank} of {plan.world_size}")
+    return storage.writer_lock(directory, slot=prep.rank,
+                               holder=f"save_distributed rank {prep.rank} of {prep.world_size}")
 
 
 def _existing_files(storage: Storage, directory: str, rank: int) -> list[str]:
@@ -252,43 +216,70 @@ def report_failed_save(dir, rank: int, world_size: int, group, error: BaseExcept
     _save_with_group(storage, directory, coordinator, fail)
 
 
-def _save_alone(storage: Storage, directory: str, prep: _Prepared, *, refuse_existing: bool) -> None:
-    with _lock(storage, directory, prep.plan):
+def _save_alone(storage: Storage, directory: str, planned: _Planned, *, refuse_existing: bool) -> None:
+    prep = planned.prep
+    with _lock(storage, directory, prep):
         if refuse_existing:
-            _refuse_existing(storage, directory, prep.plan.rank, prep.plan.world_size)
-        _withdraw(storage, directory, prep.plan.rank)
-        records = _write_rank_files(storage, directory, prep)
-        if prep.plan.rank == 0:
-            _commit(storage, directory, prep, records)
+            _refuse_existing(storage, directory, prep.rank, prep.world_size)
+        withdraw(storage, directory, prep.rank, commit=True)   # any rank may be the one that commits
+        written = write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()))
+        write_json(storage, storage.join(directory, rank_manifest_name(prep.rank)),
+                   _rank_record(prep, written, planned.save_id))
+        every = _every_rank_written(storage, directory, prep, planned.save_id, written)
+        if every is not None:
+            commit(storage, directory, prep, every)
+
+
+def _rank_record(prep: Prepared, written: dict, save_id: str) -> dict:
+    """``rank_<r>.json`` of a save without a group: its file's record (as a version-1 reader reads one)."""
+    return {"format": RANK_FORMAT, "format_version": CHUNKED_VERSION, "rank": prep.rank,
+            "num_ranks": prep.world_size, "files": {data_file_name(prep.rank): written["record"]},
+            "header": written["header"], "save_id": save_id}
+
+
+def _every_rank_written(storage: Storage, directory: str, prep: Prepared, save_id: str,
+                        own: dict) -> list[dict] | None:
+    """Every rank's ``write_data_file`` result of this save, from the ``rank_<r>.json`` records; None
+    while a rank has not finished it (no record, or one of another save). Highest rank first: ranks
+    saving one after another stop at the first look."""
+    written: list[dict | None] = [None] * prep.world_size
+    written[prep.rank] = own
+    for r in reversed(range(prep.world_size)):
+        if r != prep.rank:
+            written[r] = _read_rank_record(storage, directory, r, prep.world_size, save_id)
+            if written[r] is None:
+                return None
+    return written
+
+
+def _read_rank_record(storage: Storage, directory: str, rank: int, world_size: int, save_id: str) -> dict | None:
+    path = storage.join(directory, rank_manifest_name(rank))
+    if not storage.exists(path):
+        return None
+    try:
+        obj = parse_json_object(path, storage.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES), fix="it is not this save's")
+    except (MetadataError, FileNotFoundError):
+        return None
+    same = (obj.get("format"), obj.get("rank"), obj.get("num_ranks"), obj.get("save_id")) == (
+        RANK_FORMAT, rank, world_size, save_id)
+    record = (obj.get("files") or {}).get(data_file_name(rank)) if isinstance(obj.get("files"), dict) else None
+    if not same or record is None or "header" not in obj:
+        log.debug("%s is not a record of this save (yet); rank %d has not finished it", path, rank)
+        return None
+    return {"record": record, "header": obj["header"]}
 
 
 def _save_with_group(storage: Storage, directory: str, coordinator, prepare) -> None:
     with contextlib.ExitStack() as held:
-        prep, exc = attempt(prepare)
-        if prep is not None:
+        planned, exc = attempt(prepare)
+        if planned is not None:
             # Locked before the first exchange: a busy directory fails every rank untouched.
-            _, exc = attempt(lambda: held.enter_context(_lock(storage, directory, prep.plan)))
-        _save_locked(storage, directory, coordinator, prep, exc)
-
-
-def _save_locked(storage: Storage, directory: str, coordinator, prep: _Prepared | None, exc) -> None:
-    # Three steps, each one gather to rank 0 and one broadcast of its verdict (agreement.py).
-    same_layout = agree(coordinator, {"error": describe(exc), "digest": prep.digest if prep else None}, exc,
-                        FIRST_STEP, on_root=lambda statuses: len({s["digest"] for s in statuses}) == 1,
-                        slot_bytes=_STATUS_SLOT_BYTES)
-    if not same_layout:
-        raise TensorMismatchError(
-            "ranks disagree on the tensors to save (names, shapes, dtypes or shard specs differ "
-            "between ranks); every rank must pass the same structure and shard_spec")
-    rank = prep.plan.rank
-    _, exc = attempt(lambda: _withdraw(storage, directory, rank))
-    agree(coordinator, {"error": describe(exc)}, exc, "withdrawing the previous metadata",
-          slot_bytes=_ERROR_SLOT_BYTES)
-    records, exc = attempt(lambda: _write_rank_files(storage, directory, prep))
-
-    def commit(statuses: list[dict]) -> None:            # rank 0, once every rank wrote its file
-        _commit(storage, directory, prep, {f: FileRecord.from_json(f, r) for s in statuses
-                                           for f, r in s["files"].items()})
-
-    agree(coordinator, {"error": describe(exc), "files": {f: r.to_json() for f, r in (records or {}).items()}},
-          exc, "writing the data files", on_root=commit, root_step="writing metadata.json")
+            _, exc = attempt(lambda: held.enter_context(_lock(storage, directory, planned.prep)))
+        same_layout = agree(coordinator, {"error": describe(exc), "digest": planned.digest if planned else None},
+                            exc, FIRST_STEP, on_root=lambda statuses: len({s["digest"] for s in statuses}) == 1,
+                            slot_bytes=_STATUS_SLOT_BYTES)
+        if not same_layout:
+            raise TensorMismatchError(
+                "ranks disagree on the tensors to save (names, shapes, dtypes or shard specs differ "
+                "between ranks); every rank must pass the same structure and shard_spec")
+        write_and_commit(planned.prep, storage, directory, coordinator, locked=True)

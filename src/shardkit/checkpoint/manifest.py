@@ -77,13 +77,15 @@ class SavedTensor:
     """A saved tensor: its layout, dtype name (None in seed format: read the header) and owner.
 
     Version 2 tensors carry ``chunks`` (their spec is then the full shape, replicated); older
-    ones are upgraded to chunks by ``plan.saved_chunks``.
+    ones are upgraded to chunks by ``plan.saved_chunks``. ``split_dim`` (version 2, optional):
+    the dimension a ``shard_spec`` save split the tensor along (``plan.split_spec``).
     """
 
     spec: TensorShardSpec
     dtype: str | None
     owner_rank: int | None = None
     chunks: tuple[Chunk, ...] | None = None
+    split_dim: int | None = None
 
 
 @dataclass
@@ -124,7 +126,8 @@ def manifest_to_json(m: Manifest) -> dict:
 
 
 def _chunked_to_json(m: Manifest) -> dict:
-    specs = {name: {"full_shape": list(t.spec.full_shape), "dtype": t.dtype, "chunks": chunks_to_json(t.chunks)}
+    specs = {name: {"full_shape": list(t.spec.full_shape), "dtype": t.dtype, "chunks": chunks_to_json(t.chunks),
+                    **({"shard_dim": t.split_dim} if t.split_dim is not None else {})}
              for name, t in m.tensors.items()}
     return {
         "format": FORMAT, "format_version": CHUNKED_VERSION, "num_ranks": m.num_ranks,
@@ -266,7 +269,12 @@ def _chunked_tensor(source: str, name: str, raw: dict, num_ranks: int) -> SavedT
         raise MetadataError(f"{what} has dtype {short_repr(dtype)}; known: {', '.join(NAME_TO_DTYPE)}")
     chunks = parse_chunks(source, name, raw.get("chunks"), spec.full_shape, itemsize_bytes(NAME_TO_DTYPE[dtype]),
                           lambda f: _data_file(source, f, num_ranks))
-    return SavedTensor(spec, dtype, None, chunks)
+    split_dim = raw.get("shard_dim")
+    if split_dim is not None:
+        split_dim = expect_int(split_dim, f"{what}: shard_dim", high=max(0, len(spec.full_shape) - 1))
+        if not spec.full_shape:
+            raise MetadataError(f"{what} is a scalar but has shard_dim {split_dim}. {_FIX}")
+    return SavedTensor(spec, dtype, None, chunks, split_dim)
 
 
 def _data_file(source: str, file: Any, num_ranks: int) -> str:

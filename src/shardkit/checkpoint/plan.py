@@ -1,10 +1,11 @@
 """Save and load plans, as plain data (habit 1: plan first, then do I/O).
 
-- :func:`plan_save` decides what each rank writes: its slice of every
-  sharded tensor, and the replicated tensors it *owns*. Owners are spread
-  greedily by bytes (largest tensor first, to the rank with the fewest
-  replicated bytes so far), so replicated state is written once and in
-  parallel. Every rank computes the same plan from the same names and sizes.
+- :func:`spec_chunk_plan` decides what each rank of a ``shard_spec`` save
+  (``save_distributed``, the offline writers) writes, as the chunked plan
+  (format 2) every save writes: its box of every sharded tensor, and the
+  replicated tensors it is given, spread greedily by bytes, so replicated
+  state is written once and in parallel. Every rank computes the same plan
+  from the same names, shapes and specs.
 - :func:`plan_load` decides, for each wanted tensor box, which saved chunks
   (file, box) overlap it and the exact element reads (:class:`~shardkit.layout.Piece`).
 
@@ -13,7 +14,7 @@ functions are tested without tensors or a disk (habit 2).
 
 Example::
 
-    plan = plan_save({"w": 64, "b": 8}, {"w": spec}, rank=0, world_size=2)
+    plan = spec_chunk_plan({"w": ((16,), "F32"), "b": ((2,), "F32")}, {"w": spec}, 2, {"F32": 4}.get)
     loads = plan_load(saved, {"w": Box((0,), (8,))}, lambda name: 1 << 20)
 """
 
@@ -21,11 +22,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Callable, Container, Iterator, Mapping
 
+from shardkit.checkpoint.chunk_plan import ChunkedTensor, ChunkPlan
 from shardkit.checkpoint.manifest import SavedTensor, data_file_name
 from shardkit.checkpoint.spec import TensorShardSpec
+from shardkit.checkpoint.writer_choice import spread_by_bytes
 from shardkit.layout import (
     Box,
     Piece,
@@ -37,37 +41,44 @@ from shardkit.layout import (
     whole_box,
 )
 
-__all__ = ["SavePlan", "plan_save", "ChunkRead", "TensorLoad", "wanted_box", "plan_load", "saved_chunks",
+__all__ = ["spec_chunk_plan", "split_spec", "chunk_split_dim", "ChunkRead", "TensorLoad", "wanted_box", "plan_load", "saved_chunks",
            "chunks_by_file", "overlapping_saved_chunks", "nonempty_chunk_files"]
 
 
-@dataclass(frozen=True)
-class SavePlan:
-    """What one rank writes: ``write_names`` (sharded slices + owned replicated tensors)."""
+def spec_chunk_plan(tensors: Mapping[str, tuple[tuple[int, ...], str]], specs: Mapping[str, TensorShardSpec],
+                    world_size: int, itemsize_of: Callable[[str], int]) -> ChunkPlan:
+    """The chunked (format 2) save plan of a ``shard_spec`` layout, the same on every rank.
 
-    rank: int
-    world_size: int
-    owner_of: dict[str, int]        # replicated name -> the rank that writes it
-    write_names: list[str]
+    ``tensors``: name -> (full shape, safetensors dtype name); ``specs``: the
+    sharded ones (a name absent, or with ``shard_dim`` None, is replicated).
+    Rank r writes its own box of each sharded tensor (``shard_box``; empty
+    boxes are not chunks); each replicated tensor is written whole, once, the
+    writers spread by bytes (``writer_choice.spread_by_bytes``). Pure: no
+    tensors, no I/O; it checks no shapes (``spec.check_local_tensor`` does).
+
+    >>> plan = spec_chunk_plan({"w": ((4, 2), "F32")}, {"w": TensorShardSpec((4, 2), 0, (3, 1))}, 2, {"F32": 4}.get)
+    >>> plan.writes
+    [['w'], ['w']]
+    """
+    replicated = {n: _numel(shape) * itemsize_of(dtype) for n, (shape, dtype) in tensors.items()
+                  if n not in specs or specs[n].shard_dim is None}
+    writer_of = spread_by_bytes(replicated, world_size)
+    plan = ChunkPlan({}, [[] for _ in range(world_size)])
+    for name, (shape, dtype) in tensors.items():
+        if name in replicated:
+            chosen = {whole_box(shape): writer_of[name]} if name in writer_of else {}
+        else:
+            spec = specs[name]
+            boxes = [(shard_box(shape, spec.shard_dim, spec.shard_sizes, r), r) for r in range(world_size)]
+            chosen = {box: r for box, r in boxes if _numel(box.sizes)}
+        plan.tensors[name] = ChunkedTensor(tuple(shape), dtype, chosen)
+        for rank in chosen.values():
+            plan.writes[rank].append(name)
+    return plan
 
 
-def plan_save(name_to_nbytes: Mapping[str, int], specs: Mapping[str, TensorShardSpec], rank: int,
-              world_size: int) -> SavePlan:
-    """The save plan of ``rank``; names absent from ``specs`` (or with shard_dim None) are replicated."""
-    replicated = [n for n in name_to_nbytes if n not in specs or specs[n].shard_dim is None]
-    owner_of = _spread_owners({n: name_to_nbytes[n] for n in replicated}, world_size)
-    write = [n for n in name_to_nbytes if n not in owner_of or owner_of[n] == rank]
-    return SavePlan(rank, world_size, owner_of, write)
-
-
-def _spread_owners(name_to_nbytes: Mapping[str, int], world_size: int) -> dict[str, int]:
-    load = [0] * world_size
-    owner_of = {}
-    for name in sorted(name_to_nbytes, key=lambda n: (-name_to_nbytes[n], n)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owner_of[name] = rank
-        load[rank] += max(name_to_nbytes[name], 1)  # count empty tensors too, so they spread
-    return owner_of
+def _numel(shape) -> int:
+    return math.prod(shape)
 
 
 @dataclass(frozen=True)
@@ -93,14 +104,57 @@ def wanted_box(saved: SavedTensor, num_ranks: int, new_rank: int, new_world_size
 
     Same world size: exactly the saved slice (even for uneven custom sizes).
     Another world size: :func:`~shardkit.layout.compute_shard_sizes` along the
-    same dimension. Replicated tensors: the whole tensor.
+    same dimension. Replicated tensors: the whole tensor. A version-2 tensor
+    is split as :func:`split_spec` reads its chunks.
     """
-    spec = saved.spec
+    spec = saved.spec if saved.chunks is None else (split_spec(saved, num_ranks) or saved.spec)
     if spec.shard_dim is None:
         return whole_box(spec.full_shape)
     sizes = spec.shard_sizes if new_world_size == num_ranks else \
         compute_shard_sizes(spec.full_shape[spec.shard_dim], new_world_size)
     return shard_box(spec.full_shape, spec.shard_dim, sizes, new_rank)
+
+
+def split_spec(saved: SavedTensor, num_ranks: int) -> TensorShardSpec | None:
+    """The ``shard_spec`` a version-2 tensor was saved with: None unless it records one (``split_dim``,
+    written by ``save_distributed`` and the offline writers for sharded tensors).
+
+    Chunks whose files' ranks increase with their offsets along that dimension (what those writers
+    write) give rank r the size of its chunk in ``rank_<r>.safetensors`` (0 for a rank with none);
+    others an even split (``compute_shard_sizes``). Linear in the chunks.
+
+    >>> split_spec(read_metadata("ck").tensors["w"], 3)
+    TensorShardSpec(full_shape=(8, 4), shard_dim=0, shard_sizes=(3, 3, 2))
+    """
+    dim, full = saved.split_dim, saved.spec.full_shape
+    if dim is None or saved.chunks is None:
+        return None
+    ordered = sorted(saved.chunks, key=lambda c: c.box.offsets[dim])
+    ranks = [_file_rank(c.file) for c in ordered]
+    single = all(c.box.sizes[d] == full[d] for c in ordered for d in range(len(full)) if d != dim)
+    if single and all(a < b for a, b in zip(ranks, ranks[1:])) and (not ranks or ranks[-1] < num_ranks):
+        sizes = [0] * num_ranks
+        for rank, chunk in zip(ranks, ordered):
+            sizes[rank] = chunk.box.sizes[dim]
+        if sum(sizes) == full[dim]:
+            return TensorShardSpec(full, dim, tuple(sizes))
+    return TensorShardSpec(full, dim, tuple(compute_shard_sizes(full[dim], num_ranks)))
+
+
+def chunk_split_dim(saved: SavedTensor) -> int | None:
+    """The one dimension a version-2 tensor is split along: its recorded ``split_dim``, else the one
+    its chunks split (None: one chunk, or chunks along several dimensions)."""
+    if saved.split_dim is not None:
+        return saved.split_dim
+    if not saved.chunks or len(saved.chunks) < 2:
+        return None
+    full = saved.spec.full_shape
+    dims = {d for c in saved.chunks for d, (size, whole) in enumerate(zip(c.box.sizes, full)) if size != whole}
+    return dims.pop() if len(dims) == 1 else None
+
+
+def _file_rank(file: str) -> int:
+    return int(file[len("rank_"):-len(".safetensors")])   # manifest.parse_manifest checked the name
 
 
 def saved_chunks(saved: SavedTensor) -> list[tuple[str, Box]]:

@@ -36,12 +36,22 @@ from shardkit.checkpoint.compact_layout import Description, TensorLayout, coordi
 from shardkit.errors import MetadataError
 from shardkit.layout import Box
 
-__all__ = ["own_writes", "full_plan", "plain_writers", "replica_turns"]
+__all__ = ["own_writes", "full_plan", "plain_writers", "spread_by_bytes", "replica_turns"]
 
 
 def plain_writers(desc: Description, world_size: int) -> dict[str, int]:
     """``name -> writer`` of every non-empty replicated plain tensor (greedy by bytes, O(P log W + W))."""
-    items = sorted((-t.nbytes, n) for n, t in desc.tensors.items() if t.kind == "plain" and t.nbytes)
+    return spread_by_bytes({n: t.nbytes for n, t in desc.tensors.items() if t.kind == "plain"}, world_size)
+
+
+def spread_by_bytes(nbytes: dict[str, int], world_size: int) -> dict[str, int]:
+    """``name -> writer`` for replicated tensors of ``nbytes`` bytes each: largest first (then by name),
+    each to the rank with the fewest such bytes so far (ties: the lower rank). Empty ones get no writer.
+
+    >>> spread_by_bytes({"a": 8, "b": 4, "c": 4, "e": 0}, 2)
+    {'a': 0, 'b': 1, 'c': 1}
+    """
+    items = sorted((-b, n) for n, b in nbytes.items() if b)
     heap = [(0, r) for r in range(world_size)]          # sorted, hence a heap
     out = {}
     for neg_bytes, name in items:

@@ -5,10 +5,11 @@ served by a :class:`~shardkit.offline.readahead.ReadAhead`: the source fills
 it in place (:meth:`CheckpointSource.read_into` of exactly the box a new
 rank holds; the source's files opened once) while the file writer writes the
 one before, in two reused buffers: peak memory is about two of the largest
-chunks moved, never the checkpoint. Files are the formats' own
-(``write_safetensors``; ``metadata.json`` and rank manifests from
-``checkpoint.manifest``; the HF index from ``hf.index``), so every reader
-(``load_distributed``, ``transformers``) reads the result. Output goes
+chunks moved, never the checkpoint. Files are the formats' own: a
+distributed checkpoint is written by the engine ``save`` uses (format
+version 2: ``plan.spec_chunk_plan``, ``chunked_save.write_data_file`` per
+rank, ``chunked_save.commit`` last); HF output by ``hf.export_write``. Every
+reader (``load``, ``load_distributed``, ``transformers``) reads the result. Output goes
 through :func:`~shardkit.offline.publish.publish_directory`.
 
 Example::
@@ -29,7 +30,7 @@ from shardkit.errors import TensorMismatchError
 from shardkit.hf.export_plan import TRAINING_STATE_NAMES, out_dtype, select_model_names
 from shardkit.offline.publish import publish_directory
 from shardkit.offline.readahead import ReadAhead
-from shardkit.storage import LazyTensor, storage_for, write_safetensors
+from shardkit.storage import LazyTensor, storage_for
 
 __all__ = ["reshard_checkpoint", "export_hf", "export_distributed", "select_names", "TRAINING_STATE_NAMES"]
 
@@ -56,37 +57,46 @@ def _writer_order(names, dtype_of) -> list:
 
 def _write_distributed(tmp: str, world_size: int, entries: dict, fill, objects: dict, structure, user_metadata,
                        progress: Progress) -> None:
-    """``entries``: name -> (dtype, new TensorShardSpec, box_for_rank(rank) -> (offsets, sizes));
-    ``fill(name, offsets, out)`` reads that box of ``name`` into ``out``. The next slice is read
-    while the current one is written (:class:`~shardkit.offline.readahead.ReadAhead`)."""
-    from shardkit.checkpoint.manifest import (
-        METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, write_json)
-    from shardkit.checkpoint.plan import plan_save
+    """Write a format-2 checkpoint of ``world_size`` ranks into ``tmp`` through the save's engine
+    (``plan.spec_chunk_plan``, then ``chunked_save.write_data_file`` per rank and ``commit`` last).
+
+    ``entries``: name -> (dtype, TensorShardSpec of the new layout); ``fill(name, offsets, out)``
+    reads that box of ``name`` into ``out``. The next chunk is read while the current one is written
+    (:class:`~shardkit.offline.readahead.ReadAhead`)."""
+    from shardkit.checkpoint.chunked_save import Prepared, commit, write_data_file
+    from shardkit.checkpoint.manifest import data_file_name
+    from shardkit.checkpoint.plan import spec_chunk_plan
     from shardkit.dtypes import to_safetensors_name
 
     storage, root = storage_for(tmp)
-    nbytes = {n: itemsize_bytes(d) * _numel(s.full_shape) for n, (d, s, _) in entries.items()}
-    specs = {n: s for n, (_, s, _) in entries.items() if s.shard_dim is not None}
-    plans = [plan_save(nbytes, specs, rank, world_size) for rank in range(world_size)]
+    tensors = {n: (s.full_shape, to_safetensors_name(d)) for n, (d, s) in entries.items()}
+    specs = {n: s for n, (_, s) in entries.items() if s.shard_dim is not None}
+    plan = spec_chunk_plan(tensors, specs, world_size, lambda n: itemsize_bytes(_dtype_named(n)))
+    boxes = [{} for _ in range(world_size)]    # rank -> name -> the box it writes
+    for name, chunked in plan.tensors.items():
+        for box, rank in chunked.box_to_writer.items():
+            boxes[rank][name] = box
     items = []
-    for rank, plan in enumerate(plans):
-        for name in _writer_order(plan.write_names, lambda n: entries[n][0]):
-            dtype, _, box_for = entries[name]
-            offsets, sizes = box_for(rank)
-            items.append(((rank, name), dtype, tuple(sizes), lambda out, n=name, o=offsets: fill(n, o, out)))
-    records = {}
+    for rank in range(world_size):
+        for name in _writer_order(plan.writes[rank], lambda n: entries[n][0]):
+            box = boxes[rank][name]
+            items.append(((rank, name), entries[name][0], box.sizes,
+                          lambda out, n=name, o=box.offsets: fill(n, o, out)))
+    written = []
     with ReadAhead(items) as ahead:
-        for rank, plan in enumerate(plans):
-            named = [(name, _tick(progress, ahead.lazy((rank, name)))) for name in plan.write_names]
-            file_name = data_file_name(rank)
-            log.info("writing %s (%d tensors)", file_name, len(named))
-            records[file_name] = write_safetensors(
-                storage, storage.join(root, file_name), named,
-                {"format": "pt", "shardkit.rank": str(rank), "shardkit.num_ranks": str(world_size)})
-    owner_of = plans[-1].owner_of if plans else {}
-    saved = {n: SavedTensor(s, to_safetensors_name(d), owner_of.get(n)) for n, (d, s, _) in entries.items()}
-    manifest = Manifest(1, world_size, saved, records, objects, structure, user_metadata)
-    write_json(storage, storage.join(root, METADATA_FILE), manifest_to_json(manifest))
+        for rank in range(world_size):
+            named = [(name, _tick(progress, ahead.lazy((rank, name)))) for name in plan.writes[rank]]
+            log.info("writing %s (%d tensors)", data_file_name(rank), len(named))
+            written.append(write_data_file(storage, root, rank, world_size, named))
+    prep = Prepared(0, world_size, lambda: plan, {}, objects, structure, user_metadata,
+                    {n: s.shard_dim for n, s in specs.items()})
+    commit(storage, root, prep, written)
+
+
+def _dtype_named(name: str) -> torch.dtype:
+    from shardkit.dtypes import NAME_TO_DTYPE
+
+    return NAME_TO_DTYPE[name]
 
 
 def _numel(shape) -> int:
@@ -120,8 +130,9 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
 
     >>> reshard_checkpoint("ckpt/step-100", "ckpt/step-100-ws3", world_size=3)
     """
+    from shardkit.checkpoint.plan import chunk_split_dim
     from shardkit.checkpoint.spec import TensorShardSpec
-    from shardkit.layout import compute_shard_sizes, shard_box, whole_box
+    from shardkit.layout import compute_shard_sizes
     from shardkit.sources import open_source
 
     if not isinstance(world_size, int) or world_size < 1:
@@ -132,31 +143,19 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
         entries = {}
         for name, saved in m.tensors.items():
             spec = saved.spec
-            dim = spec.shard_dim if spec.shard_dim is not None else _chunk_split_dim(saved)
+            dim = spec.shard_dim if saved.chunks is None else chunk_split_dim(saved)
             if dim is not None:
                 spec = TensorShardSpec(spec.full_shape, dim, tuple(compute_shard_sizes(spec.full_shape[dim], world_size)))
             elif saved.chunks is not None and len(saved.chunks) > 1:
                 log.warning("%s is split along several dimensions (%d chunks); it is written whole (replicated)",
                             name, len(saved.chunks))
-            # the boxes of the spec written (an uneven saved split is made even, whatever the world size)
-            box_for = (lambda r, sp=spec: tuple(whole_box(sp.full_shape) if sp.shard_dim is None else
-                                                shard_box(sp.full_shape, sp.shard_dim, sp.shard_sizes, r)))
-            entries[name] = (infos[name].dtype, spec, box_for)
+            entries[name] = (infos[name].dtype, spec)   # an uneven saved split is made even
         log.info("resharding %s (%d ranks) -> %s (%d ranks), %d tensors", src, m.num_ranks, dst, world_size,
                  len(entries))
         publish_directory(dst, lambda tmp: _write_distributed(
             tmp, world_size, entries, lambda n, o, out: source.read_into(n, out, o), m.objects, m.structure,
             m.user_metadata, progress), 
                           _check_distributed)
-
-
-def _chunk_split_dim(saved) -> Optional[int]:
-    """The one dimension the chunks of a chunked (format 2) tensor split, or None (one chunk, or several dims)."""
-    if not saved.chunks or len(saved.chunks) < 2:
-        return None
-    full = saved.spec.full_shape
-    dims = {d for c in saved.chunks for d, (size, whole) in enumerate(zip(c.box.sizes, full)) if size != whole}
-    return dims.pop() if len(dims) == 1 else None
 
 
 def select_names(names, prefix: Optional[str]) -> dict[str, str]:
@@ -255,14 +254,13 @@ def export_distributed(src: str, dst: str, *, kind: Optional[str] = None, dtype:
     >>> export_distributed("dcp_ckpt", "ckpt/imported")
     """
     from shardkit.checkpoint.spec import TensorShardSpec
-    from shardkit.layout import whole_box
     from shardkit.sources import open_source
 
     with open_source(src, kind) as source:
         entries, fills = {}, {}
         for name, info in source.tensors().items():
             spec = TensorShardSpec(tuple(info.shape), None, ())
-            entries[name] = (out_dtype(info.dtype, dtype), spec, lambda r, s=info.shape: tuple(whole_box(s)))
+            entries[name] = (out_dtype(info.dtype, dtype), spec)
             fills[name] = _filler(source, name, info.dtype)
         objects, structure = _leaf_objects(src, list(entries), source.objects(), source.structure())
         user_metadata = source.user_metadata()
