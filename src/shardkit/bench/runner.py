@@ -15,12 +15,14 @@ import tempfile
 import traceback
 
 SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", "scale", "s3", "comm-gpu",
-          "load-any")
+          "load-any", "gil")
 #: What runs without ``--only``: ``offline`` (the CLI tools against DCP, two extra source checkpoints and
 #: rank processes), ``scale`` (8/32/64 ranks as processes, then as threads, tiny tensors; ``--size`` does not apply) and ``s3``
 #: (a SeaweedFS server on loopback; needs the ``weed`` binary of requirements-dev.txt) and ``comm-gpu``
 #: (an NCCL group's wait modes on one GPU; needs CUDA) and ``load-any`` (``checkpoint.load`` of a Hugging Face
-#: and a DCP checkpoint against ``dcp.load``, 4 and 3 rank processes; ``load_any_bench``) run only when asked for.
+#: and a DCP checkpoint against ``dcp.load``, 4 and 3 rank processes; ``load_any_bench``) and ``gil`` (a tiny
+#: Llama trained while background saves are in flight, against ``dcp.async_save``'s two modes; ``gil_bench``)
+#: run only when asked for.
 DEFAULT_SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 
 
@@ -34,7 +36,7 @@ def _parse_size(text: str) -> int:
 
 #: The state size when ``--size`` is not given, per suite (the others: ``DEFAULT_SIZE``).
 DEFAULT_SIZE = "1GiB"
-SUITE_DEFAULT_SIZES = {"s3": "512MiB", "load-any": "512MiB"}
+SUITE_DEFAULT_SIZES = {"s3": "512MiB", "load-any": "512MiB", "gil": "300MiB"}
 
 
 def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
@@ -70,6 +72,10 @@ def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
         from shardkit.bench.load_any_bench import run_load_any_benchmarks
 
         return run_load_any_benchmarks(size, reps, workdir)
+    if name == "gil":
+        from shardkit.bench.gil_bench import run_gil_benchmarks
+
+        return run_gil_benchmarks(size, reps, workdir)
     if name == "ddp":
         from shardkit.bench.ddp_bench import run_ddp_benchmarks
 

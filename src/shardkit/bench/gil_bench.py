@@ -1,0 +1,210 @@
+"""Training while a background save is in flight: how much slower the steps run, and the time lost per save.
+
+One process, torch on one thread, a tiny ``transformers`` Llama trained on
+random tokens (tens of ms a step), and a separate state of ``size_bytes``
+(``workload.make_state``) saved in the background every so often. For each
+implementation a save is started between two steps (the call is timed:
+what the loop is blocked for), the loop goes on training and polls whether
+the save is done, and the steps taken meanwhile are timed. Every run's
+figures are measured against steps with no save in flight taken in the
+same run (``no save`` rows), so a machine that gets busier slows both.
+
+Rows (median, min, max over ``reps`` runs, the implementations interleaved):
+
+- ``train during save: mean step``: the mean step time while the save was
+  in flight (``no save``: the steps between saves);
+- ``train during save: time lost per save``: the blocking call plus, for
+  each step taken while it was in flight, what it took beyond the no-save
+  mean; ``slowdown`` (mean step in flight / no-save mean - 1) rides along.
+
+Implementations: ``async_save`` and ``CheckpointManager.save`` (shardkit),
+``dcp.async_save`` in its thread mode and in its process mode (its writer
+process started by an untimed first save). Each implementation saves once
+untimed first, so every timed save reuses its staging memory.
+
+It does not measure the write's throughput (the ``async`` suite does) or
+multi-rank saves. Example::
+
+    rows = run_gil_benchmarks(300 << 20, reps=3, workdir="/tmp/bench")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from shardkit.bench.common import row
+from shardkit.bench.peers import single_process_dcp
+from shardkit.bench.workload import make_state
+
+__all__ = ["IMPLS", "run_gil_benchmarks"]
+
+#: Implementation names, in the order of the rows.
+IMPLS = ("shardkit", "shardkit CheckpointManager.save", "torch.distributed.checkpoint.async_save (thread)",
+         "torch.distributed.checkpoint.async_save (process)")
+
+#: Steps with no save in flight, taken before each timed save.
+QUIET_STEPS = 8
+
+
+def _trainer() -> Callable[[], None]:
+    """One training step of a tiny Llama (about 40-80 ms on one thread of the 2-core VM)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=1000, max_position_embeddings=128)
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, config.vocab_size, (4, 64))
+
+    def step() -> None:
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+class _Saver:
+    """``start(dir)`` begins a background save, ``done()`` polls it, ``finish()`` waits (and raises)."""
+
+    def __init__(self, start: Callable[[str], object], done: Callable[[object], bool],
+                 finish: Callable[[object], None], close: Callable[[], None] = lambda: None):
+        self.start, self.done, self.finish, self.close = start, done, finish, close
+
+
+def _savers(state: dict, root: str) -> dict[str, _Saver]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from shardkit.checkpoint import CheckpointManager
+    from shardkit.checkpoint.api import async_save
+    from shardkit.errors import AsyncWaitTimeout
+
+    manager = CheckpointManager(os.path.join(root, "manager"), keep_last=2)
+    steps = iter(range(10**6))
+
+    def manager_done(_):
+        try:
+            manager.wait(timeout=0)
+        except AsyncWaitTimeout:
+            return False
+        return True
+
+    def dcp_start(kind):
+        def start(path):
+            with single_process_dcp():
+                return dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                                      async_checkpointer_type=kind)
+        return start
+
+    return {
+        IMPLS[0]: _Saver(lambda path: async_save(state, path), lambda f: f.done(), lambda f: f.wait()),
+        IMPLS[1]: _Saver(lambda path: manager.save(next(steps), state), manager_done, lambda _: manager.wait(),
+                         manager.close),
+        IMPLS[2]: _Saver(dcp_start(AsyncCheckpointerType.THREAD), lambda f: f.done(), lambda f: f.result()),
+        IMPLS[3]: _Saver(dcp_start(AsyncCheckpointerType.PROCESS), lambda f: f.done(), lambda f: f.result()),
+    }
+
+
+def _one_save(step: Callable[[], None], saver: _Saver, path: str) -> dict:
+    """Quiet steps, then one save with the loop training until it is done; the run's figures."""
+    quiet = []
+    for _ in range(QUIET_STEPS):
+        start = time.perf_counter()
+        step()
+        quiet.append(time.perf_counter() - start)
+    base = statistics.median(quiet)
+    start = time.perf_counter()
+    handle = saver.start(path)
+    blocked = time.perf_counter() - start
+    busy = []
+    while not saver.done(handle):
+        start = time.perf_counter()
+        step()
+        busy.append(time.perf_counter() - start)
+    saver.finish(handle)
+    mean = statistics.fmean(busy) if busy else base
+    return {"blocked_s": blocked, "quiet_step_s": base, "step_s": mean, "steps": len(busy),
+            "lost_s": blocked + sum(t - base for t in busy), "slowdown": mean / base - 1}
+
+
+def _summary(runs: list[dict], key: str) -> dict:
+    values = [r[key] for r in runs]
+    return {"median_s": statistics.median(values), "min_s": min(values), "max_s": max(values)}
+
+
+def run_gil_benchmarks(size_bytes: int, reps: int, workdir: str) -> list[dict]:
+    """The rows described in the module docstring, for a state of ``size_bytes``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = os.path.join(workdir, "gil")
+    try:
+        return _run(size_bytes, max(1, reps), root)
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    """A Gloo group of this one process (DCP's process mode needs a default group and MASTER_ADDR/PORT)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _run(size_bytes: int, reps: int, root: str) -> list[dict]:
+    with _one_rank_group():
+        return _rows(size_bytes, reps, root)
+
+
+def _rows(size_bytes: int, reps: int, root: str) -> list[dict]:
+    step, state = _trainer(), make_state(size_bytes)
+    savers = _savers(state, root)
+    runs: dict[str, list[dict]] = {name: [] for name in IMPLS}
+    try:
+        for rep in range(reps + 1):  # the first round is untimed: staging memory, DCP's writer process
+            for name in IMPLS[::-1] if rep % 2 else IMPLS:
+                path = os.path.join(root, f"{IMPLS.index(name)}-{rep}")
+                result = _one_save(step, savers[name], path)
+                if rep:
+                    runs[name].append(result)
+                if "shardkit CheckpointManager" not in name:
+                    shutil.rmtree(path, ignore_errors=True)
+    finally:
+        for saver in savers.values():
+            saver.close()
+    quiet = [r for rs in runs.values() for r in rs]
+    rows = [row("train during save: mean step", "no save", _summary(quiet, "quiet_step_s"), kind="limit")]
+    for name in IMPLS:
+        extra = {"slowdown": statistics.median(r["slowdown"] for r in runs[name]),
+                 "slowdowns": [round(r["slowdown"], 3) for r in runs[name]],
+                 "blocked_s": statistics.median(r["blocked_s"] for r in runs[name]),
+                 "steps_in_flight": statistics.median(r["steps"] for r in runs[name])}
+        rows.append(row("train during save: mean step", name, _summary(runs[name], "step_s"), **extra))
+    for name in IMPLS:
+        rows.append(row("train during save: time lost per save", name, _summary(runs[name], "lost_s")))
+    return rows
