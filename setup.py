@@ -19,7 +19,8 @@ setup(
         Extension(
             "shardkit._stream_copy",
             # xxHash's run-time AVX2/SSE2 dispatch exists for x86 only; elsewhere its default code path is used.
-            sources=["src/shardkit/_stream_copy.c", "src/shardkit/_xxh3_hasher.c", "src/shardkit/_direct_writer.c"]
+            sources=["src/shardkit/_stream_copy.c", "src/shardkit/_xxh3_hasher.c", "src/shardkit/_direct_writer.c",
+                     "src/shardkit/_direct_writer_type.c"]
             + ([f"{XXHASH}/xxh_x86dispatch.c"] if X86 else []),
             include_dirs=["src/shardkit", XXHASH],
             depends=["src/shardkit/_stream_copy.h", f"{XXHASH}/xxhash.h", f"{XXHASH}/xxh_x86dispatch.h"],
