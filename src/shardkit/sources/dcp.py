@@ -30,12 +30,9 @@ import io
 import logging
 import math
 import pickle
-import threading
 import zipfile
-from collections import Counter, OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -44,6 +41,7 @@ from shardkit.dtypes import itemsize_bytes
 from shardkit.errors import ChecksumError, IncompleteCheckpointError, MetadataError, MissingShardError
 from shardkit.layout import Box, cover_problem, intersect, whole_box
 from shardkit.sources.dcp_metadata import chunk_boxes, int_tuple, read_dcp_metadata, storage_locations
+from shardkit.sources.dcp_files import OpenReaders, RecordView
 from shardkit.sources.dcp_record import check_record_crcs, crc32, tensor_data_span
 from shardkit.storage import Reader, check_relative_name, storage_for
 from shardkit.storage.tensor_io import byte_view
@@ -76,80 +74,6 @@ def is_dcp_checkpoint(dir) -> bool:
     return storage.exists(storage.join(directory, ".metadata"))
 
 
-class _RecordView(io.RawIOBase):
-    """The byte range ``[offset, offset + length)`` of an open file, as a seekable read-only stream."""
-
-    def __init__(self, reader: Reader, offset: int, length: int):
-        self._reader, self._offset, self._length, self._pos = reader, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._length}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, buf) -> int:
-        n = max(0, min(len(buf), self._length - self._pos))
-        if n:
-            self._reader.read_into(self._offset + self._pos, memoryview(buf).cast("B")[:n])
-            self._pos += n
-        return n
-
-
-class _OpenReaders:
-    """The data files' readers, at most ``knobs.DCP_OPEN_FILES`` kept open, the least recently used closed first.
-
-    A DCP saved with one file per tensor has thousands of files: holding every
-    one open ran out of file descriptors (EMFILE). A reader that a read (on any
-    thread) is using is never closed, so the bound may be passed by the reads
-    in flight. It does not open anything before it is asked for.
-    """
-
-    def __init__(self, open_reader: Callable[[str], Reader]):
-        self._open_reader = open_reader
-        self._lock = threading.Lock()
-        self._readers: OrderedDict[str, Reader] = OrderedDict()
-        self._in_use: Counter[str] = Counter()
-
-    @contextmanager
-    def use(self, file_name: str) -> Iterator[Reader]:
-        with self._lock:
-            if file_name not in self._readers:
-                self._trim(room=1)  # before the open: the bound is on descriptors held at once
-                self._readers[file_name] = self._open_reader(file_name)
-            self._readers.move_to_end(file_name)
-            self._in_use[file_name] += 1
-            reader = self._readers[file_name]
-        try:
-            yield reader
-        finally:
-            with self._lock:
-                self._in_use[file_name] -= 1
-                if self._in_use[file_name] <= 0:
-                    del self._in_use[file_name]
-                self._trim()
-
-    def _trim(self, room: int = 0) -> None:
-        excess = len(self._readers) + room - max(1, knobs.DCP_OPEN_FILES)
-        if excess > 0:
-            for name in [n for n in self._readers if n not in self._in_use][:excess]:
-                self._readers.pop(name).close()
-
-    def close(self) -> None:
-        with self._lock:
-            for reader in self._readers.values():
-                reader.close()
-            self._readers.clear()
-
-
 class DcpCheckpoint:
     """An open DCP checkpoint directory: names, dtypes, shapes; tensors read one at a time.
 
@@ -163,7 +87,7 @@ class DcpCheckpoint:
         self.metadata = read_dcp_metadata(dir)
         self.tensors: dict[str, DcpTensor] = {}
         self.values: dict[str, DcpChunk] = {}
-        self._files = _OpenReaders(self._open_reader)
+        self._files = OpenReaders(self._open_reader)
         self._spans: dict[DcpChunk, tuple[int, int] | None] = {}
         self._index()
 
@@ -288,10 +212,18 @@ class DcpCheckpoint:
     def read_into(self, name: str, out: torch.Tensor, offsets: Sequence[int] | None = None) -> None:
         """Fill ``out`` (contiguous CPU, the saved dtype) with the box at ``offsets`` of size ``out.shape``.
 
-        A chunk that lands whole in a contiguous part of ``out`` and is saved
-        as a plain tensor is copied straight from the file into ``out``
-        (:func:`~shardkit.sources.dcp_record.tensor_data_span`); any other
-        goes through ``torch.load(weights_only=True)`` and a copy.
+        A chunk saved as a plain tensor is copied straight from the file into
+        ``out`` (:func:`~shardkit.sources.dcp_record.tensor_data_span`) when
+        the part of it the box needs is one contiguous run both in the chunk
+        and in ``out`` (a whole chunk, or whole rows of it: a reshard along
+        dim 0); only that run's bytes are read. Any other chunk is read whole
+        (through ``torch.load(weights_only=True)`` when its record is not a
+        plain tensor) and the part copied. Verification (``knobs.DCP_VERIFY_CRC``):
+        a record read whole is checked against its zip CRC-32s; a run read
+        from a part of a record cannot be (the CRC covers the whole record),
+        so a partly overlapping chunk is read unverified, as ``dcp.load``
+        reads every chunk. Reading the whole record only to verify it cost a
+        3-rank reshard of a 4-rank DCP half again the bytes of its share.
         """
         meta = self._tensor(name)
         if out.dtype != meta.dtype or not out.is_contiguous() or out.device.type != "cpu":
@@ -305,7 +237,7 @@ class DcpCheckpoint:
                     self._load_chunk(name, chunk)  # holds no element, but a whole read still checks its record
                 continue
             dst = _region(out, want, overlap)
-            if not (overlap == chunk.box and dst.is_contiguous() and self._read_in_place(name, chunk, dst)):
+            if not (dst.is_contiguous() and self._read_in_place(name, chunk, dst, overlap)):
                 src = self._chunk_tensor(name, chunk)
                 dst.copy_(_region(src, chunk.box, overlap))
                 del src
@@ -340,23 +272,33 @@ class DcpCheckpoint:
             raise MetadataError(f"box {list(want.offsets)}+{list(want.sizes)} does not fit {name!r} {list(meta.shape)}")
         return want
 
-    def _read_in_place(self, name: str, chunk: DcpChunk, dst: torch.Tensor) -> bool:
-        """Copy the chunk's bytes from the file into ``dst`` when its record allows; False: use torch.load."""
+    def _read_in_place(self, name: str, chunk: DcpChunk, dst: torch.Tensor, part: Box | None = None) -> bool:
+        """Copy the chunk's bytes (or those of ``part``, a box inside it) from the file into ``dst`` when its
+        record allows and ``part``'s elements are one contiguous run of the chunk; False: read it another way.
+        Only a whole chunk's bytes are checked against their CRC-32 (see :meth:`read_into`)."""
         if dst.numel() == 0:
             return True
+        whole = part is None or part == chunk.box
+        first = 0 if whole else _contiguous_run(chunk.box, part)
+        if first is None:
+            return False
         with self._files.use(chunk.file_name) as reader:
             if not self._in_file(chunk, reader):
                 return False  # _load_record explains it
-            if chunk not in self._spans:
-                self._spans[chunk] = tensor_data_span(_RecordView(reader, chunk.offset, chunk.length),
-                                                      self.tensors[name].dtype, chunk.box.sizes)
-            span = self._spans[chunk]
+            span = self._span(name, chunk, reader)
             if span is None or span[0] + span[1] > chunk.length:
                 return False
-            reader.read_into(chunk.offset + span[0], byte_view(dst))
-        if knobs.DCP_VERIFY_CRC and crc32(byte_view(dst)) != span[2]:
+            reader.read_into(chunk.offset + span[0] + first * dst.element_size(), byte_view(dst))
+        if whole and knobs.DCP_VERIFY_CRC and crc32(byte_view(dst)) != span[2]:
             raise self._corrupt(chunk, f"tensor {name!r} (chunk at {list(chunk.box.offsets)})")
         return True
+
+    def _span(self, name: str, chunk: DcpChunk, reader: Reader) -> tuple[int, int, int] | None:
+        """The chunk's :func:`~shardkit.sources.dcp_record.tensor_data_span`, parsed once per checkpoint."""
+        if chunk not in self._spans:
+            self._spans[chunk] = tensor_data_span(RecordView(reader, chunk.offset, chunk.length),
+                                                  self.tensors[name].dtype, chunk.box.sizes)
+        return self._spans[chunk]
 
     def _check_crcs(self, record: bytes, chunk: DcpChunk, what: str) -> None:
         if knobs.DCP_VERIFY_CRC and check_record_crcs(record) is not None:
@@ -401,3 +343,10 @@ def _region(t: torch.Tensor, box: Box, part: Box) -> torch.Tensor:
     for dim, (start, size, base) in enumerate(zip(part.offsets, part.sizes, box.offsets)):
         t = t.narrow(dim, start - base, size)
     return t
+
+
+def _contiguous_run(box: Box, part: Box) -> int | None:
+    """The first element of ``part`` within ``box``'s row-major elements when ``part``'s elements are one
+    contiguous run there (whole trailing rows), else None. Example: rows 2..4 of a (6, 8) box -> 16."""
+    view = _region(torch.empty(box.sizes, device="meta"), box, part)
+    return view.storage_offset() if view.is_contiguous() else None
