@@ -15,6 +15,18 @@ with any field values, so :func:`storage_locations` and :func:`chunk_boxes`
 check the types of what the reader then uses. This module does not read
 tensor data.
 
+The common case is read faster the same way, in C: ``pickle.Unpickler``
+whose ``find_class`` hands out only those same classes (and ``torch.Size``,
+the torch dtypes, ``torch.serialization._get_layout``; any other global,
+and any persistent id, is refused before anything is called), with the
+opcode limit kept by taking only files of at most
+``knobs.DCP_MAX_METADATA_OPS`` bytes. A file it does not turn into DCP
+``Metadata`` (refused, malformed, another result) goes through the
+restricted unpickler above, which decides and words the error. The
+weights-only unpickler, in Python, with the opcode rewrite, took ~30 ms on
+a 192 MB checkpoint's ``.metadata`` that plain ``pickle`` reads in 0.7 ms;
+every rank of a load reads it.
+
 Example::
 
     meta = read_dcp_metadata("/ckpt/dcp-step-100")
@@ -58,11 +70,15 @@ def dcp_metadata_classes() -> list:
 
 
 def parse_dcp_metadata(source: str, data: bytes):
-    """Unpickle the bytes of a ``.metadata`` file with the restricted unpickler (``source`` names it in errors)."""
+    """Unpickle the bytes of a ``.metadata`` file (``source`` names it in errors): through the allowlisting C
+    unpickler when it gives DCP ``Metadata``, else through the restricted unpickler, which decides."""
     import torch
     from torch import _weights_only_unpickler
     from torch.distributed.checkpoint.metadata import Metadata
 
+    obj = _allowlisted_parse(data)
+    if isinstance(obj, Metadata):
+        return _checked(source, obj)
     try:
         with torch.serialization.safe_globals(dcp_metadata_classes()):
             obj = _weights_only_unpickler.load(io.BytesIO(downgrade_pickle(data, source=source)), encoding="utf-8")
@@ -75,6 +91,11 @@ def parse_dcp_metadata(source: str, data: bytes):
         ) from e
     if not isinstance(obj, Metadata):
         raise MetadataError(f"{source} holds a {type(obj).__name__}, not DCP Metadata; it is not a DCP checkpoint")
+    return _checked(source, obj)
+
+
+def _checked(source: str, obj):
+    """``obj`` (a DCP ``Metadata``) when its ``state_dict_metadata`` is a dict keyed by str, else MetadataError."""
     if not isinstance(getattr(obj, "state_dict_metadata", None), dict):
         raise MetadataError(f"{source}: its Metadata has no state_dict_metadata dict; the file is corrupt")
     for fqn in obj.state_dict_metadata:
@@ -82,6 +103,50 @@ def parse_dcp_metadata(source: str, data: bytes):
             raise MetadataError(f"{source}: state_dict_metadata has the key {short_repr(fqn)} "
                                 f"({type(fqn).__name__}); DCP's keys are str names. The file is corrupt")
     return obj
+
+
+class _NotAllowed(Exception):
+    """A global or persistent id the fast unpickler does not hand out."""
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    """C ``pickle.Unpickler`` that resolves only the globals in ``allowed`` (``{(module, name): object}``)."""
+
+    def __init__(self, file, allowed: dict):
+        super().__init__(file, encoding="utf-8")
+        self._allowed = allowed
+
+    def find_class(self, module, name):
+        found = self._allowed.get((module, name))
+        if found is None:
+            raise _NotAllowed(f"{module}.{name}")
+        return found
+
+    def persistent_load(self, pid):
+        raise _NotAllowed("a persistent id")
+
+
+def _allowed_globals() -> dict:
+    import torch
+    from torch.serialization import _get_layout
+
+    allowed = {(c.__module__, c.__qualname__): c for c in dcp_metadata_classes()}
+    allowed.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = _get_layout
+    return allowed
+
+
+def _allowlisted_parse(data: bytes):
+    """The object ``data`` unpickles to through :class:`_AllowlistUnpickler`, or None when it is refused or
+    fails in any way (the restricted unpickler then decides), or is longer than the opcode limit allows."""
+    if len(data) > knobs.DCP_MAX_METADATA_OPS:  # every opcode is at least a byte: the limit holds
+        return None
+    try:
+        return _AllowlistUnpickler(io.BytesIO(data), _allowed_globals()).load()
+    except Exception as e:  # noqa: BLE001 - any failure: the restricted unpickler's turn, and its message
+        log.debug("DCP metadata left to the restricted unpickler (%s: %s)", type(e).__name__, str(e)[:200])
+        return None
 
 
 def read_dcp_metadata(dir):

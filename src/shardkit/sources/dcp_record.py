@@ -25,8 +25,11 @@ from __future__ import annotations
 import io
 import logging
 import math
+import pickle
 import struct
+import warnings
 import zipfile
+from collections import OrderedDict
 from typing import BinaryIO
 
 import torch
@@ -77,7 +80,82 @@ def tensor_data_span(record: BinaryIO, dtype: torch.dtype, shape: tuple[int, ...
 
 
 def _plain_tensor(pkl: bytes, dtype: torch.dtype, shape: tuple[int, ...], key: str) -> bool:
-    """Whether ``data.pkl`` is one contiguous ``dtype`` tensor of ``shape`` at offset 0 of storage ``key``."""
+    """Whether ``data.pkl`` is one contiguous ``dtype`` tensor of ``shape`` at offset 0 of storage ``key``.
+
+    First through :class:`_DescribingUnpickler` (C, builds nothing: ~50x faster per record); what it does
+    not recognise is judged by torch's weights-only unpickler."""
+    try:
+        described = _DescribingUnpickler(io.BytesIO(pkl)).load()
+    except Exception as e:  # noqa: BLE001 - not the plain layout it knows: the weights-only unpickler decides
+        log.debug("data.pkl left to the weights-only unpickler (%s: %s)", type(e).__name__, str(e)[:200])
+        described = None
+    if isinstance(described, _Described) and described.plain(dtype, shape, key):
+        return True
+    return _plain_tensor_weights_only(pkl, dtype, shape, key)
+
+
+class _NotAllowed(Exception):
+    """A global the describing unpickler does not hand out."""
+
+
+class _Described:
+    """What ``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)`` was asked to build."""
+
+    def __init__(self, storage, offset, size, stride, *rest):
+        self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
+
+    def plain(self, dtype: torch.dtype, shape: tuple[int, ...], key: str) -> bool:
+        """One contiguous ``dtype`` tensor of ``shape`` at offset 0 over the whole of storage ``key``."""
+        storage_dtype, storage_key, numel = self.storage
+        expected = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+        return (storage_dtype == dtype and storage_key == key and self.offset == 0 and numel == math.prod(shape)
+                and tuple(self.size) == tuple(shape) and tuple(self.stride) == tuple(expected))
+
+
+class _DescribingUnpickler(pickle.Unpickler):
+    """C unpickler for a ``torch.save`` record's ``data.pkl`` that builds no tensor: ``_rebuild_tensor_v2``
+    becomes :class:`_Described`, a storage ``(dtype, key, numel)``; any other global is refused."""
+
+    def __init__(self, file):
+        super().__init__(file, encoding="utf-8")
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _Described
+        if (module, name) == ("collections", "OrderedDict"):
+            return OrderedDict
+        dtype = _storage_dtypes().get(name) if module == "torch" else None
+        if dtype is None:
+            raise _NotAllowed(f"{module}.{name}")
+        return dtype  # a storage class stands for its dtype
+
+    def persistent_load(self, saved_id):
+        kind, storage_type, key, _, numel = saved_id
+        if kind != "storage":
+            raise _NotAllowed(f"persistent id {kind!r}")
+        dtype = storage_type if isinstance(storage_type, torch.dtype) else storage_type.dtype
+        if not isinstance(dtype, torch.dtype) or not isinstance(numel, int):
+            raise _NotAllowed("a storage without a dtype or an int size")
+        return dtype, key, numel
+
+
+_STORAGE_DTYPES: dict[str, torch.dtype] = {}
+
+
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    """``{"FloatStorage": torch.float32, ...}``: torch's legacy storage classes by name (found once)."""
+    if not _STORAGE_DTYPES:
+        with warnings.catch_warnings():  # a legacy storage class's dtype warns that TypedStorage is deprecated
+            warnings.simplefilter("ignore")
+            for name, value in vars(torch).items():
+                dtype = getattr(value, "dtype", None) if name.endswith("Storage") and isinstance(value, type) else None
+                if isinstance(dtype, torch.dtype):
+                    _STORAGE_DTYPES[name] = dtype
+    return _STORAGE_DTYPES
+
+
+def _plain_tensor_weights_only(pkl: bytes, dtype: torch.dtype, shape: tuple[int, ...], key: str) -> bool:
+    """:func:`_plain_tensor` through torch's weights-only unpickler (storages on the meta device)."""
     from torch._weights_only_unpickler import Unpickler
 
     seen = []
