@@ -154,9 +154,7 @@ def test_staging_failure_raises_at_once_ends_the_writer_and_frees_the_slot(fake,
     monkeypatch.setattr(async_save, "stage", boom)
     with pytest.raises(AsyncCheckpointError, match="staging.*host memory exhausted"):
         ckpt.save_async({"w": torch.ones(2)})
-    writer = ckpt._thread  # started before staging; it must end without writing
-    writer.join(10)
-    assert not writer.is_alive() and fake.calls == []
+    assert fake.calls == []  # no group: the background engine was never started for it
     monkeypatch.undo()
     monkeypatch.setattr(async_save, "_save_staged", fake)
     ckpt.save_async({"w": torch.ones(2)}).wait()

@@ -294,8 +294,8 @@ def test_replicated_tensors_written_once_by_spread_owners(four_rank_saves):
         holders = [r for r, keys in keys_by_rank.items() if name in keys]
         assert len(holders) == 1, f"{name} is in the files of ranks {holders}; a replicated tensor is written once"
         owners[name] = holders[0]
-        recorded = meta["tensor_specs"][name].get("owner_rank")
-        assert recorded == holders[0], f"{name}: metadata says owner {recorded}, file of rank {holders[0]} holds it"
+        recorded = [c["file"] for c in meta["tensor_specs"][name]["chunks"]]   # format 2: the chunk's file
+        assert recorded == [f"rank_{holders[0]}.safetensors"], f"{name}: metadata says {recorded}, rank {holders[0]} holds it"
     assert len(set(owners.values())) > 1, f"every replicated tensor went to one rank: {owners}"
     for name, (_, _, dim, sizes) in TENSORS.items():
         if dim is not None:

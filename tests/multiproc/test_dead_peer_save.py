@@ -36,7 +36,10 @@ def _expected_w(step: int) -> torch.Tensor:
 
 
 def _save_then_die(rank: int, world_size: int, first_dir: str, second_dir: str, die_in: str):
-    import shardkit.checkpoint.distributed_save as save_module
+    import importlib
+
+    module, _, die_in = die_in.rpartition(".")
+    save_module = importlib.import_module(f"shardkit.checkpoint.{module}")
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))  # a plain torch ProcessGroup
     save_distributed(_state(1, rank), first_dir, rank, world_size, SPEC, group=group)
@@ -52,8 +55,8 @@ def _save_then_die(rank: int, world_size: int, first_dir: str, second_dir: str, 
 
 
 @pytest.mark.parametrize("die_in, step, same_dir", [
-    ("_prepare", "preparing and locking the save", True),              # before anything is withdrawn
-    ("_write_rank_files", "writing the data files", False),  # after the old commit was withdrawn
+    ("distributed_save._prepare", "preparing and locking the save", True),   # before anything is withdrawn
+    ("chunked_save._write_file", "writing the data files", False),           # after the old commit was withdrawn
 ])
 def test_survivors_of_a_dead_peer_raise_comm_error_and_the_previous_checkpoint_loads(tmp_path, die_in, step,
                                                                                        same_dir):

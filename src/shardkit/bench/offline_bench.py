@@ -2,10 +2,12 @@
 ``shardkit convert --from dcp`` vs DCP's own ``dcp_to_torch_save``.
 
 How it measures (``shardkit bench --only offline`` or
-``python -m shardkit.bench.offline_bench 2GiB 3 /tmp/work``):
+``python -m shardkit.bench.offline_bench 2GiB 3 /tmp/work [kind,kind]``, the
+last argument choosing among ``KINDS``):
 
-- the source checkpoints (a shardkit one saved by 4 ranks, a DCP one saved by
-  4 Gloo ranks; 16 float32 tensors) are built by a separate earlier process,
+- the source checkpoints (a shardkit one saved by 4 ranks with
+  ``save_distributed``, so format version 2, a DCP one saved by 4 Gloo ranks;
+  16 float32 tensors) are built by a separate earlier process,
   so no measured process inherits the memory that built them;
 - every timed run is a fresh process that imports torch and the CLI, then
   starts the clock and runs the command (``shardkit.cli.main([...])``, the
@@ -202,7 +204,8 @@ if __name__ == "__main__":
 
     size = _parse_size(sys.argv[1] if len(sys.argv) > 1 else "2GiB")
     work = sys.argv[3] if len(sys.argv) > 3 else "/tmp/offline-bench"
-    measured = measure(size, int(sys.argv[2]) if len(sys.argv) > 2 else 3, work)
+    only = sys.argv[4].split(",") if len(sys.argv) > 4 else KINDS   # e.g. shardkit-reshard,dcp-load-save
+    measured = measure(size, int(sys.argv[2]) if len(sys.argv) > 2 else 3, work, kinds=only)
     rows = rows_of(measured, size)
     print(format_table(rows))
     print(json.dumps({"measured": measured, "rows": rows}, indent=1))

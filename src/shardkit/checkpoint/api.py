@@ -37,7 +37,7 @@ import weakref
 
 import torch.distributed as dist
 
-from shardkit.checkpoint.async_save import _dedicated_gloo_group
+from shardkit.checkpoint.background_group import dedicated_gloo_group
 from shardkit.checkpoint.future import CheckpointFuture
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.group import resolve_group
@@ -51,7 +51,8 @@ from shardkit.errors import AsyncCheckpointError
 from shardkit.sources.base import open_source
 from shardkit.storage import storage_for
 
-__all__ = ["save", "load", "async_save", "resolve_world", "start_background", "background_coordinator", "release_staging",
+__all__ = ["save", "load", "async_save", "resolve_world", "start_background", "start_background_work",
+           "background_coordinator", "release_staging",
            "reserve_staging", "stage_for_background"]
 
 
@@ -154,7 +155,7 @@ def background_coordinator(group, coordinator, rank: int, world_size: int):
     with _BACKGROUND_LOCK:
         own = _BACKGROUND_GROUPS.get(key)
         if own is None:
-            own = _dedicated_gloo_group(group if group is not None else dist.group.WORLD)
+            own = dedicated_gloo_group(group if group is not None else dist.group.WORLD)
             _BACKGROUND_GROUPS[key] = own
     return resolve_group(own, rank, world_size)
 
@@ -249,7 +250,24 @@ def start_background(prep, dir, background, *, before_write=None, after=None,
     rank; the thread only tells the other ranks, at the save's first exchange (their saves fail
     there), and its future carries that failure."""
     storage, directory = storage_for(dir)
-    future = CheckpointFuture(os.fspath(dir), f"background checkpoint save (rank {prep.rank})")
+
+    def work():
+        write_and_commit(prep, storage, directory, background, before_write, failed=failed)
+        if after is not None:
+            after()
+
+    return start_background_work(work, dir, background, prep.rank)
+
+
+def start_background_work(work, dir, background, rank: int, *, future: CheckpointFuture | None = None
+                          ) -> CheckpointFuture:
+    """The one background save engine: run ``work()`` (a save of ``dir`` whose collectives, if any, go
+    over ``background``) on a new non-daemon thread, after every save started before on ``background``
+    has finished (the same order on every rank); ``future`` (a new one if None) carries its outcome.
+    ``start_background`` and ``AsyncCheckpointer`` run their saves here. Raises
+    :class:`AsyncCheckpointError` if the thread cannot start (``work`` never runs)."""
+    if future is None:
+        future = CheckpointFuture(os.fspath(dir), f"background checkpoint save (rank {rank})")
     key = _key(background)
     with _BACKGROUND_LOCK:
         previous = _LAST_SAVE.get(key)
@@ -261,15 +279,13 @@ def start_background(prep, dir, background, *, before_write=None, after=None,
                 # Saves on one background group run in the order they were started (the same
                 # on every rank): two threads issuing collectives on one group would mismatch.
                 previous.wait_finished()
-            write_and_commit(prep, storage, directory, background, before_write, failed=failed)
-            if after is not None:
-                after()
+            work()
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             error = e
         finally:
             future._finish(error)
 
-    thread = threading.Thread(target=run, name=f"shardkit-async-save-rank{prep.rank}", daemon=False)
+    thread = threading.Thread(target=run, name=f"shardkit-async-save-rank{rank}", daemon=False)
     with _BACKGROUND_LOCK:
         try:
             thread.start()

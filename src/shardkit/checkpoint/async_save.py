@@ -5,16 +5,13 @@ staging buffers (pinned host memory for CUDA tensors; non-blocking copies,
 then one synchronize per device) and returns a :class:`CheckpointFuture`
 at once; a background thread then writes the staged copy with
 :func:`shardkit.checkpoint.save_distributed`, i.e. format version 2 through
-the one write engine ``save`` and ``async_save`` use
-(``chunked_save.write_and_commit``; ``write_data_file`` and ``commit``
-without a group). The checkpoint therefore holds the values as they were
-when :meth:`AsyncCheckpointer.save_async` returned, however the caller
-changes the tensors afterwards. Its thread is its own, not ``async_save``'s
-queue (``api.start_background``): ``save_async`` issues no collective on the
-caller's thread (the layout agreement runs on the background thread, over
-the dedicated group) and refuses a second save in flight instead of
-queueing it, while ``start_background`` takes a save whose layout the ranks
-already agreed on.
+the one write engine ``save`` and ``async_save`` use, on the one background
+engine they use (``api.start_background_work``: a non-daemon thread, saves
+on one group run in the order started). The checkpoint therefore holds the
+values as they were when :meth:`AsyncCheckpointer.save_async` returned,
+however the caller changes the tensors afterwards. ``save_async`` issues no
+collective on the caller's thread: the ranks agree on the layout on the
+background thread, over the checkpointer's group.
 
 What it does not do: it does not run two saves at once (a second
 ``save_async`` while one is in flight raises
@@ -82,34 +79,20 @@ Example::
 from __future__ import annotations
 
 import os
-import queue
 import threading
 
 import torch
-import torch.distributed as dist
 
+from shardkit.checkpoint.api import start_background_work
+from shardkit.checkpoint.background_group import dedicated_gloo_group
 from shardkit.checkpoint.distributed_save import check_may_overwrite, report_failed_save, save_distributed
 from shardkit.checkpoint.future import CheckpointFuture
 from shardkit.checkpoint.nested import flatten
-from shardkit.checkpoint.shutdown import destroy_at_exit, join_at_exit
 from shardkit.checkpoint.staging import stage
 from shardkit.checkpoint.staging_reserve import StagingReserve
-from shardkit.comm import Group
-from shardkit.comm.process_group_view import process_group_timeout
 from shardkit.errors import AsyncCheckpointError, AsyncWaitTimeout
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]
-
-_WITHDRAWN = object()  # handed to the writer thread instead of a state when staging failed
-
-
-class _StagingFailed:
-    """Handed to the writer thread instead of a state when staging failed on a rank of a group: the
-    thread tells the other ranks at the save's first exchange, so their saves fail there at once."""
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
 
 def _save_staged(staged, dir, rank, world_size, shard_spec, group, *, overwrite: bool) -> None:
     save_distributed(staged, dir, rank, world_size, shard_spec, group=group, overwrite=overwrite)
@@ -141,11 +124,10 @@ class AsyncCheckpointer:
         self.reuse_buffers = reuse_buffers
         self._own_group = None
         if group is not None and dedicated_group:
-            self._own_group = _dedicated_gloo_group(group)
+            self._own_group = dedicated_gloo_group(group)
         self.group = self._own_group if self._own_group is not None else group
         self._lock = threading.Lock()
         self._in_flight: CheckpointFuture | None = None
-        self._thread: threading.Thread | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._reserve: StagingReserve | None = None  # a background prepare()'s buffers, until a save takes them
         self._closed = False
@@ -163,37 +145,16 @@ class AsyncCheckpointer:
         overwrite = self.overwrite if overwrite is None else overwrite
         self._check_overwrite(target, overwrite)
         future = self._claim(target)
-        # The writer thread starts first and waits for the staged state: started
-        # after staging, its first Python would hold the GIL for a switch
-        # interval (~5 ms) before this call could return.
-        handoff: queue.SimpleQueue = queue.SimpleQueue()
-        thread = threading.Thread(
-            target=self._run, args=(future, handoff, target, overwrite),
-            name=f"shardkit-async-save-rank{self.rank}",
-            # Not a daemon: a process that ends its main thread still finishes the save.
-            daemon=False,
-        )
-        try:
-            thread.start()
-        except BaseException as e:
-            self._release(future)
-            raise AsyncCheckpointError(f"could not start the background save thread: {e}") from e
-        self._thread = thread
-        join_at_exit(thread, future)
         try:
             staged = self._stage_checked(state_dict)
         except BaseException as e:
-            if self.group is not None and isinstance(e, Exception):
-                future._reported = True  # raised here; the thread only tells the other ranks
-                handoff.put(_StagingFailed(e))
-            else:
-                handoff.put(_WITHDRAWN)  # the thread ends without writing anything
-                self._release(future)
+            self._staging_failed(future, target, e)
             raise AsyncCheckpointError(
                 f"staging the state for the save to {target} failed before anything was written: "
                 f"{type(e).__name__}: {e}"
             ) from e
-        handoff.put(staged)
+        self._start(future, target, lambda: _save_staged(staged, target, self.rank, self.world_size,
+                                                         self.shard_spec, self.group, overwrite=overwrite))
         return future
 
     def prepare(self, state_dict, *, background: bool = False) -> None:
@@ -325,23 +286,25 @@ class AsyncCheckpointer:
             if self._in_flight is future:
                 self._in_flight = None
 
-    def _run(self, future: CheckpointFuture, handoff: queue.SimpleQueue, target: str, overwrite: bool) -> None:
-        staged = handoff.get()
-        if staged is _WITHDRAWN:
-            return  # staging failed; save_async raised and never handed out this future
-        error = None
+    def _start(self, future: CheckpointFuture, target: str, work) -> None:
+        """Run ``work`` on the one background engine (``api.start_background_work``: a non-daemon
+        thread, after any save started before on this checkpointer's group); its outcome goes to
+        ``future``. Once ``future`` is done, the staging buffers may be reused."""
         try:
-            if isinstance(staged, _StagingFailed):
-                report_failed_save(target, self.rank, self.world_size, self.group, staged.error)
-            else:
-                _save_staged(staged, target, self.rank, self.world_size, self.shard_spec, self.group,
-                             overwrite=overwrite)
-        except BaseException as e:  # noqa: BLE001 - handed to wait()
-            error = e
-        finally:
-            del staged
-            # Last: once done() is true the staging buffers may be reused.
-            future._finish(error)
+            start_background_work(work, target, self.group, self.rank, future=future)
+        except BaseException:
+            self._release(future)
+            raise
+
+    def _staging_failed(self, future: CheckpointFuture, target: str, error: BaseException) -> None:
+        # With a group, the background save only tells the other ranks (their saves fail at the first
+        # exchange instead of waiting for this rank); save_async raises the error itself.
+        if self.group is not None and isinstance(error, Exception):
+            future._reported = True
+            self._start(future, target, lambda: report_failed_save(target, self.rank, self.world_size, self.group,
+                                                                   error))
+        else:
+            self._release(future)
 
     def _destroy_own_group(self) -> None:
         group, self._own_group = self._own_group, None
@@ -352,29 +315,3 @@ class AsyncCheckpointer:
         # It is freed with the default process group.
         if group is not None and hasattr(group, "close"):
             group.close()  # a shardkit Group split: its own store prefix, safe to close
-
-
-def _dedicated_gloo_group(group):
-    """A new group over ``group``'s ranks, for the background thread's collectives.
-
-    A shardkit ``comm.Group`` is split into a copy of itself (its CPU
-    tensors go over Gloo whatever its backend); a torch ProcessGroup gets a
-    new Gloo group from ``torch.distributed.new_group``.
-    """
-    if isinstance(group, Group):
-        return group.split(list(range(group.world_size)))
-    pg = group
-    try:
-        ranks = dist.get_process_group_ranks(pg)
-    except Exception as e:  # noqa: BLE001 - not a group torch.distributed registered
-        raise AsyncCheckpointError(
-            f"cannot create a dedicated Gloo group for background saves from {group!r}: "
-            f"torch.distributed does not know it ({type(e).__name__}: {e}). Pass "
-            f"dedicated_group=False with a group that nothing else uses while a save is in flight"
-        ) from e
-    # The training group's timeout, not torch's 30-minute default: a rank that stalls or never
-    # joins a background save fails it (and the wait() on it) within the job's own deadline.
-    own = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True,
-                         timeout=process_group_timeout(pg))
-    destroy_at_exit(own)  # before interpreter teardown, which aborted jobs that never destroyed it
-    return own
