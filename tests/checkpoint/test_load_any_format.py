@@ -269,3 +269,20 @@ def test_non_contiguous_and_overlapping_targets_are_staged(tmp_path):
     state = {"w": base.t(), "v": buffer[:6]}                      # a transposed view; a view of a bigger buffer
     ckpt.load(state, tmp_path)
     assert torch.equal(base.t(), w) and torch.equal(buffer, torch.cat([torch.arange(6.0), torch.zeros(2)]))
+
+
+def test_a_cast_into_cpu_tensors_stages_at_most_cpu_stage_bytes_at_once(monkeypatch):
+    from shardkit.checkpoint import fill as fill_module
+
+    monkeypatch.setattr(fill_module, "CPU_STAGE_BYTES", 64)       # 32 bf16 elements
+    saved = {f"t{i}": torch.full((16,), float(i), dtype=torch.bfloat16) for i in range(5)}
+    targets = {n: torch.zeros(16) for n in saved}                   # fp32: staged, then cast by copy_
+    groups = []
+
+    def read(names, outputs):
+        groups.append(list(names))
+        return {n: saved[n].clone() for n in names}
+
+    fill_module.fill(targets, {n: torch.bfloat16 for n in saved}, read, apart=set())
+    assert groups == [["t0", "t1"], ["t2", "t3"], ["t4"]]             # was: one group of all five
+    assert all(torch.equal(targets[n], saved[n].float()) for n in saved)
