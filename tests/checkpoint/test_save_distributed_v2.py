@@ -81,3 +81,23 @@ def test_reshard_of_a_version_1_checkpoint_writes_version_2(tmp_path):
     assert [c.box.sizes[1] for c in m.tensors["w"].chunks] == [2, 2, 1]
     assert torch.equal(load_consolidated(tmp_path / "v2")["w"], full)
     assert torch.equal(load_distributed(tmp_path / "v2", 2, 3)["w"], full[:, 4:])
+
+
+def test_ranks_saving_at_once_without_a_group_leave_one_complete_checkpoint(tmp_path):
+    import threading
+
+    errors = []
+
+    def one(rank):
+        try:
+            _save(tmp_path, rank)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and validate_distributed(tmp_path).ok
+    assert torch.equal(load_consolidated(tmp_path)["w"], W)
