@@ -22,7 +22,7 @@ Example::
         print({n: i.shape for n, i in src.tensors().items()})
 """
 
-import importlib
+from shardkit.lazy_names import lazy_names
 
 _HOMES = {
     "base": ["CheckpointSource", "TensorInfo", "open_source"],
@@ -30,20 +30,5 @@ _HOMES = {
     "dcp": ["DcpCheckpoint", "is_dcp_checkpoint"],
     "dcp_metadata": ["read_dcp_metadata"],
 }
-_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
-
-def __getattr__(name: str):
-    module = _HOME_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'shardkit.sources' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"shardkit.sources.{module}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOME_OF))
-
-
-__all__ = sorted(_HOME_OF)
+__getattr__, __dir__, __all__ = lazy_names(__name__, globals(), _HOMES)

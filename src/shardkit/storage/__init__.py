@@ -4,7 +4,7 @@ This layer knows files and bytes only. It never decides which tensor bytes
 a rank needs; ``shardkit.checkpoint`` plans that and calls in here.
 """
 
-import importlib
+from shardkit.lazy_names import lazy_names
 
 #: Where each name lives. Loaded on first use (PEP 562), so that importing one
 #: light submodule (``storage.json_io`` for the CLI's ``--help``) does not
@@ -25,20 +25,5 @@ _HOMES = {
     "tensor_io": ["byte_view", "read_ranges"],
     "writer": ["LazyTensor", "TensorLike", "write_safetensors"],
 }
-_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
-
-def __getattr__(name: str):
-    module = _HOME_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'shardkit.storage' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"shardkit.storage.{module}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOME_OF))
-
-
-__all__ = sorted(_HOME_OF)
+__getattr__, __dir__, __all__ = lazy_names(__name__, globals(), _HOMES)
