@@ -45,21 +45,20 @@ def save_v1(state_dict, directory, rank: int, world_size: int, shard_spec, *, me
     """Write ``state_dict`` as shardkit's version-1 writer did (no group): tests of the version-1 readers.
 
     shardkit no longer writes version 1 (``save_distributed`` writes version 2); this fixture writes what
-    it wrote: ``rank_<r>.safetensors`` (rank r's slice of each sharded tensor, plus the replicated tensors
-    it owns, owners spread by bytes), ``rank_<r>.json`` with its file record and the save's ``save_id``,
-    and, from rank 0, ``metadata.json`` (``format_version`` 1) with its own record only.
+    it wrote, its JSON spelled out here (docs/format.md, "Version 1"): ``rank_<r>.safetensors`` (rank r's
+    slice of each sharded tensor, plus the replicated tensors it owns, owners spread by bytes),
+    ``rank_<r>.json`` with its file record and the save's ``save_id``, and, from rank 0,
+    ``metadata.json`` (``format_version`` 1) with its own record only.
     """
     import json as _json
 
     import xxhash
 
-    from shardkit.checkpoint.manifest import (
-        METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_json,
-        rank_manifest_name, write_json)
     from shardkit.checkpoint.nested import flatten
     from shardkit.checkpoint.spec import as_spec_dict
     from shardkit.dtypes import to_safetensors_name
     from shardkit.storage import storage_for, write_safetensors
+    from shardkit.storage.plain_values import encode_objects
 
     flat = flatten(state_dict)
     specs = as_spec_dict(shard_spec, world_size)
@@ -69,25 +68,39 @@ def save_v1(state_dict, directory, rank: int, world_size: int, shard_spec, *, me
     for name in sorted(replicated, key=lambda n: (-replicated[n], n)):
         owner = min(range(world_size), key=lambda r: (load[r], r))
         owner_of[name], load[owner] = owner, load[owner] + replicated[name]
-    saved = {n: SavedTensor(specs.get(n) or TensorShardSpec(tuple(t.shape), None, ()), to_safetensors_name(t.dtype),
-                            owner_of.get(n)) for n, t in flat.tensors.items()}
-    manifest = Manifest(1, world_size, saved, {}, flat.objects, flat.structure, dict(metadata or {}))
-    text = _json.dumps([manifest_to_json(Manifest(1, world_size, saved))["tensor_specs"], flat.objects,
-                        flat.structure, manifest.user_metadata], sort_keys=True, default=str)
-    manifest.save_id = xxhash.xxh3_64_hexdigest(text.encode())
+    tensor_specs = {}
+    for name, t in flat.tensors.items():
+        spec = specs.get(name) or TensorShardSpec(tuple(t.shape), None, ())
+        tensor_specs[name] = {"full_shape": list(spec.full_shape), "shard_dim": spec.shard_dim,
+                              "shard_sizes": list(spec.shard_sizes), "dtype": to_safetensors_name(t.dtype),
+                              **({"owner_rank": owner_of[name]} if name in owner_of else {})}
+    user_metadata = dict(metadata or {})
+    text = _json.dumps([tensor_specs, flat.objects, flat.structure, user_metadata], sort_keys=True, default=str)
+    save_id = xxhash.xxh3_64_hexdigest(text.encode())
     storage, root = storage_for(str(directory))
     storage.makedirs(root)
-    names = ([METADATA_FILE] if rank == 0 else []) + [rank_manifest_name(rank)]
+    names = (["metadata.json"] if rank == 0 else []) + [f"rank_{rank}.json"]
     storage.remove_files([storage.join(root, n) for n in names])
     named = [(n, t) for n, t in flat.tensors.items() if n not in owner_of or owner_of[n] == rank]
-    record = write_safetensors(storage, storage.join(root, data_file_name(rank)), named,
+    file_name = f"rank_{rank}.safetensors"
+    record = write_safetensors(storage, storage.join(root, file_name), named,
                                {"format": "pt", "shardkit.rank": str(rank), "shardkit.num_ranks": str(world_size)})
-    records = {data_file_name(rank): record}
-    write_json(storage, storage.join(root, rank_manifest_name(rank)),
-               rank_manifest_json(rank, world_size, records, manifest.save_id))
+    files = {file_name: record.to_json()}
+    _write(storage, storage.join(root, f"rank_{rank}.json"),
+           {"format": "shardkit.distributed.rank", "format_version": 1, "rank": rank, "num_ranks": world_size,
+            "files": files, "save_id": save_id})
     if rank == 0:
-        manifest.files = records
-        write_json(storage, storage.join(root, METADATA_FILE), manifest_to_json(manifest))
+        _write(storage, storage.join(root, "metadata.json"),
+               {"format": "shardkit.distributed", "format_version": 1, "num_ranks": world_size,
+                "tensor_specs": tensor_specs, "files": files, "objects": encode_objects(flat.objects),
+                "structure": flat.structure, "user_metadata": user_metadata, "save_id": save_id})
+
+
+def _write(storage, path, obj) -> None:
+    import json as _json
+
+    with storage.atomic_writer(path) as f:
+        f.write(_json.dumps(obj, allow_nan=False).encode())
 
 
 def save_full_v1(full_state: dict, directory, world_size: int, dims: dict, *, extra=None):
