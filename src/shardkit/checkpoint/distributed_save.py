@@ -9,12 +9,13 @@ ones ``save`` writes (``chunked_save``: ``write_and_commit`` with a group,
 ``write_data_file`` and ``commit`` without). Version 1 is read, never written.
 
 With a group (three rounds, each one gather to rank 0 and one broadcast of
-its verdict, ``agreement.agree``): the ranks agree on the layout's digest
-(a failure or a disagreement fails every rank before anything is touched);
-then each rank locks its slot (``Storage.writer_lock``: a second save into a
-directory being written fails at once with :class:`CheckpointBusyError`),
-rank 0 withdraws the old ``metadata.json``; then every rank writes its file
-and rank 0 commits ``metadata.json`` last, after every rank reported its file.
+its verdict, ``agreement.agree``): each rank plans and locks its slot
+(``Storage.writer_lock``: a second save into a directory being written fails
+at once with :class:`CheckpointBusyError`) and the ranks agree on the
+layout's digest (a failure or a disagreement fails every rank before
+anything is touched); then rank 0 withdraws the old ``metadata.json``; then
+every rank writes its file and rank 0 commits ``metadata.json`` last, after
+every rank reported its file (``write_and_commit(..., locked=True)``).
 
 Without a group each rank saves alone (several ranks called in one process,
 or separate processes): it locks its slot, withdraws the old commit
