@@ -286,3 +286,22 @@ def test_a_cast_into_cpu_tensors_stages_at_most_cpu_stage_bytes_at_once(monkeypa
     fill_module.fill(targets, {n: torch.bfloat16 for n in saved}, read, apart=set())
     assert groups == [["t0", "t1"], ["t2", "t3"], ["t4"]]             # was: one group of all five
     assert all(torch.equal(targets[n], saved[n].float()) for n in saved)
+
+
+def test_with_read_rows_a_cast_goes_slab_by_slab_through_one_scratch(monkeypatch):
+    from shardkit.checkpoint import fill as fill_module
+
+    monkeypatch.setattr(fill_module, "SLAB_BYTES", 3 * 8 * 2)      # three bf16 rows of 8
+    saved = {"a": torch.randn(7, 8).to(torch.bfloat16), "s": torch.tensor(2.5, dtype=torch.bfloat16)}
+    targets = {"a": torch.zeros(7, 8), "s": torch.zeros(())}
+    calls, buffers = [], set()
+
+    def read_rows(name, first, count, out):
+        calls.append((name, first, count))
+        buffers.add(out.untyped_storage().data_ptr())
+        out.copy_(saved[name][first:first + count])
+
+    fill_module.fill(targets, {n: torch.bfloat16 for n in saved},
+                     lambda names, outputs: {n: saved[n].clone() for n in names}, apart=set(), read_rows=read_rows)
+    assert calls == [("a", 0, 3), ("a", 3, 3), ("a", 6, 1)] and len(buffers) == 1
+    assert torch.equal(targets["a"], saved["a"].float()) and targets["s"].item() == 2.5   # a scalar: staged whole

@@ -11,7 +11,9 @@ The steps, every check before the first read:
 3. reads: the source's ``read_boxes`` (one reader per format,
    ``shardkit.sources``) through the fill engine (``checkpoint/fill.py``):
    straight into the local tensors where they are contiguous CPU tensors of
-   the saved dtype, else into temporaries of the box's size, then ``copy_``.
+   the saved dtype; else, on the CPU (a cast), a slab of rows at a time
+   through one reused scratch buffer, then ``copy_`` (elsewhere, into
+   temporaries of the box's size, then ``copy_``).
    A rank reads only its boxes' bytes and never allocates a tensor it does
    not hold;
 4. plain leaves are replaced from the checkpoint's values.
@@ -146,6 +148,11 @@ def _fill_pass(source: CheckpointSource, reads: Mapping[str, tuple[Box, torch.Te
     targets = {name: local for name, (_, local) in reads.items()}
     _, overlapping = shared_destinations(targets)
     dtypes = {name: source.dtype_of(name) for name in reads}
+    def read_rows(name: str, first: int, count: int, out: torch.Tensor) -> None:
+        box = reads[name][0]
+        source.read_boxes({name: Box((box.offsets[0] + first, *box.offsets[1:]), (count, *box.sizes[1:]))},
+                          {name: out})
+
     fill(targets, dtypes,
          lambda names, outputs: source.read_boxes({n: reads[n][0] for n in names}, outputs),
-         apart=overlapping)
+         apart=overlapping, read_rows=read_rows)
