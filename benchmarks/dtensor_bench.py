@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from shardkit.bench.common import barrier_timed
 from shardkit.launch import run_local_ranks
 
 
@@ -47,14 +48,6 @@ def _state(model, optim):
     return {"model": model_sd, "optim": optim_sd, "step": 1}
 
 
-def _timed(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def _status_bytes(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -72,8 +65,8 @@ def _save_ranks(rank, world_size, total_mib, root):
     from torch.distributed.checkpoint.state_dict import get_state_dict
     get_state_dict(model, optim)      # creates Adam's state
     state = _state(model, optim)
-    out = {"shardkit save": _timed(lambda: ckpt.save(state, f"{root}/sk")),
-           "dcp.save": _timed(lambda: dcp.save(state, checkpoint_id=f"{root}/dcp"))}
+    out = {"shardkit save": barrier_timed(lambda: ckpt.save(state, f"{root}/sk")),
+           "dcp.save": barrier_timed(lambda: dcp.save(state, checkpoint_id=f"{root}/dcp"))}
     gloo = dist.new_group(backend="gloo")
     ckpt.async_save(state, f"{root}/sk_async_warm").wait()           # makes its background group
     dist.barrier()
@@ -110,9 +103,9 @@ def _load_ranks(rank, world_size, total_mib, root, impl):
         f.write("5")
     before = _status_bytes("VmRSS")
     if impl == "shardkit":
-        seconds = _timed(lambda: ckpt.load(state, f"{root}/sk"))
+        seconds = barrier_timed(lambda: ckpt.load(state, f"{root}/sk"))
     else:
-        seconds = _timed(lambda: dcp.load(state, checkpoint_id=f"{root}/dcp"))
+        seconds = barrier_timed(lambda: dcp.load(state, checkpoint_id=f"{root}/dcp"))
     return {"seconds": seconds, "peak_extra": _status_bytes("VmHWM") - before, "out_bytes": out_bytes}
 
 

@@ -26,12 +26,12 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 import zlib
 
 import torch
 import torch.distributed as dist
 
+from shardkit.bench.common import barrier_timed
 from shardkit.launch import run_local_ranks
 
 #: (rows, cols) of the workload's matrices: a mix like ``docs/benchmarks.md``'s (large, medium, an embedding).
@@ -67,14 +67,6 @@ def _state(shapes: dict, rank: int, world_size: int) -> dict:
     return state
 
 
-def _timed(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def _fresh(path: str) -> str:
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
@@ -101,7 +93,7 @@ def _rank(rank: int, world_size: int, total_mib: int, workdir: str, reps: int) -
     times: dict = {name: [] for name in runs}
     for _ in range(reps):
         for i, (name, run) in enumerate(runs.items()):
-            times[name].append(_timed(lambda: run(_fresh(os.path.join(workdir, f"out{i}")))))
+            times[name].append(barrier_timed(lambda: run(_fresh(os.path.join(workdir, f"out{i}")))))
     return times
 
 

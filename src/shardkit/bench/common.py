@@ -47,6 +47,17 @@ FIRST_CALL_MIN_REPS = 5
 # run between timed runs instead. (A gc.collect() before each run cost 0.2-0.5 s per run in pytest.)
 
 
+def barrier_timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` takes on the slowest rank of the default process group (barriers around it)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
 def time_reps(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None) -> dict:
     """Median/min/max seconds of ``fn()`` over ``reps`` runs (``setup()`` untimed before each; no garbage collection while timed)."""
     times = []
