@@ -200,9 +200,9 @@ def run_offline_benchmarks(size_bytes: int, reps: int, workdir: str) -> list[dic
 
 if __name__ == "__main__":
     from shardkit.bench.common import format_table
-    from shardkit.bench.runner import _parse_size
+    from shardkit.sizes import size_bytes
 
-    size = _parse_size(sys.argv[1] if len(sys.argv) > 1 else "2GiB")
+    size = size_bytes(sys.argv[1] if len(sys.argv) > 1 else "2GiB")
     work = sys.argv[3] if len(sys.argv) > 3 else "/tmp/offline-bench"
     only = sys.argv[4].split(",") if len(sys.argv) > 4 else KINDS   # e.g. shardkit-reshard,dcp-load-save
     measured = measure(size, int(sys.argv[2]) if len(sys.argv) > 2 else 3, work, kinds=only)

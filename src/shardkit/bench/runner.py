@@ -14,6 +14,9 @@ import sys
 import tempfile
 import traceback
 
+from shardkit.errors import MetadataError
+from shardkit.sizes import size_bytes
+
 SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", "scale", "s3", "comm-gpu",
           "load-any", "gil")
 #: What runs without ``--only``: ``offline`` (the CLI tools against DCP, two extra source checkpoints and
@@ -24,14 +27,6 @@ SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", 
 #: Llama trained while background saves are in flight, against ``dcp.async_save``'s two modes; ``gil_bench``)
 #: run only when asked for.
 DEFAULT_SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
-
-
-def _parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().rstrip("ib")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
 
 
 #: The state size when ``--size`` is not given, per suite (the others: ``DEFAULT_SIZE``).
@@ -95,7 +90,8 @@ def workdir_problem(workdir: str | None) -> str | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark options, shared by ``shardkit bench`` and ``python -m shardkit.bench``."""
     parser.add_argument("--size", default=None,
-                        help=f"state size, e.g. 64MiB, 2GiB (default {DEFAULT_SIZE}; s3: {SUITE_DEFAULT_SIZES['s3']})")
+                        help=f"state size, e.g. 64MiB, 2GiB (powers of 2) or 500MB (of 10), as transformers reads them "
+                             f"(default {DEFAULT_SIZE}; s3: {SUITE_DEFAULT_SIZES['s3']})")
     parser.add_argument("--reps", type=int, default=3, help="repetitions per figure (default 3, min 1)")
     parser.add_argument("--only", default=",".join(DEFAULT_SUITES), help=f"comma-separated subset of {','.join(SUITES)}")
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
@@ -122,7 +118,12 @@ def run(args: argparse.Namespace, error=None) -> int:
         if error is None:
             raise ValueError(problem)
         error(problem)
-    size = _parse_size(args.size or DEFAULT_SIZE)
+    try:
+        size = size_bytes(args.size or DEFAULT_SIZE, what="--size")
+    except MetadataError as e:
+        if error is None:
+            raise
+        error(str(e))
     suites = [s for s in args.only.split(",") if s]
     unknown = set(suites) - set(SUITES)
     if unknown:
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace, error=None) -> int:
         for suite in suites:
             print(f"running {suite} ...", file=sys.stderr, flush=True)
             try:
-                suite_size = size if args.size else _parse_size(SUITE_DEFAULT_SIZES.get(suite, DEFAULT_SIZE))
+                suite_size = size if args.size else size_bytes(SUITE_DEFAULT_SIZES.get(suite, DEFAULT_SIZE))
                 suite_rows = _run_suite(suite, suite_size, args.reps, workdir)
             except Exception:  # noqa: BLE001 - one broken suite must not cost the others' figures
                 traceback.print_exc()

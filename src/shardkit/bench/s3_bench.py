@@ -186,8 +186,8 @@ if __name__ == "__main__":
     import tempfile
 
     from shardkit.bench.common import format_table
-    from shardkit.bench.runner import _parse_size
+    from shardkit.sizes import size_bytes
 
-    size = _parse_size(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_SIZE_BYTES
+    size = size_bytes(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_SIZE_BYTES
     with tempfile.TemporaryDirectory(prefix="shardkit-s3-bench-") as work:
         print(format_table(run_s3_benchmarks(size, int(sys.argv[2]) if len(sys.argv) > 2 else 3, work)))

@@ -28,6 +28,7 @@ from shardkit.errors import MetadataError
 from shardkit.hf.save_checks import json_problem
 from shardkit.hf.sharing import alias_to_source, find_shared_groups
 from shardkit.hf.untrusted import check_limits, read_json_file
+from shardkit.sizes import size_bytes
 from shardkit.storage import check_relative_name, storage_for
 
 __all__ = [
@@ -105,49 +106,14 @@ def plan_shards(name_bytes: Sequence[tuple[str, int]], max_shard_bytes: int) -> 
     return shards
 
 
-_BINARY_UNITS = {"GIB": 2**30, "MIB": 2**20, "KIB": 2**10}
-_DECIMAL_UNITS = {"GB": 10**9, "MB": 10**6, "KB": 10**3}
-
-
 def shard_size_bytes(max_shard_size: Union[int, str]) -> int:
-    """``max_shard_size`` in bytes: an int as is, or a string as ``transformers`` reads it.
-
-    Same rules as ``transformers.utils.hub.convert_file_size_to_int``:
-    ``"2GiB"``/``"MiB"``/``"KiB"`` are powers of 2, ``"5GB"``/``"MB"``/``"KB"``
-    powers of 10 (any case), and a lower-case final ``b`` (``"8Mb"``) means
-    bits. The number must be an integer. Unlike ``transformers``, a bool, a
-    float or ``None`` raises ``MetadataError`` instead of passing through.
+    """``max_shard_size`` in bytes: an int as is, or a string as ``transformers`` reads it
+    (:func:`shardkit.sizes.size_bytes`: ``"5GB"`` is 10**9 bytes times 5, ``"2GiB"`` 2**31).
 
     >>> shard_size_bytes("5GB"), shard_size_bytes("2GiB"), shard_size_bytes(1000), shard_size_bytes("1000")
     (5000000000, 2147483648, 1000, 1000)
     """
-    if isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool):
-        return max_shard_size
-    if isinstance(max_shard_size, str):
-        if max_shard_size.strip().isascii() and max_shard_size.strip().isdigit():  # "1000": bytes (a command line's)
-            return int(max_shard_size)
-        upper = max_shard_size.upper()
-        for unit, scale in _BINARY_UNITS.items():
-            if upper.endswith(unit):
-                return _leading_int(max_shard_size, len(unit)) * scale
-        for unit, scale in _DECIMAL_UNITS.items():
-            if upper.endswith(unit):
-                nbytes = _leading_int(max_shard_size, len(unit)) * scale
-                return nbytes // 8 if max_shard_size.endswith("b") else nbytes
-    raise MetadataError(
-        f"max_shard_size must be a number of bytes or a size such as '5GB', '500MB' or '2GiB'; "
-        f"got {max_shard_size!r} ({type(max_shard_size).__name__})"
-    )
-
-
-def _leading_int(size: str, unit_chars: int) -> int:
-    try:
-        return int(size[:-unit_chars])
-    except ValueError as e:
-        raise MetadataError(
-            f"max_shard_size {size!r}: {size[:-unit_chars]!r} is not a whole number; write e.g. '1500MB' "
-            f"instead of '1.5GB'"
-        ) from e
+    return size_bytes(max_shard_size, what="max_shard_size")
 
 
 def sharing_of(index: ShardIndex) -> SharingMetadataT:
