@@ -96,6 +96,11 @@ class CommArgumentError(CommError, ValueError):
     """Tensors passed to a collective do not fit it (count, shape, dtype or device)."""
 
 
+class InputError(ShardkitError, ValueError):
+    """Bad usage or input the command line finds itself (exit code 2): a path that is missing,
+    unreadable or not a checkpoint, an option value it refuses."""
+
+
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """Something already exists where a checkpoint, one of its files or a link would go (an earlier
     save's files of this rank, a real file where a link goes), and overwriting was not asked for."""

@@ -14,7 +14,6 @@ import traceback
 
 from shardkit.cli.exit_codes import (EXIT_BROKEN_PIPE, EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE,
                                      exit_code_for)
-from shardkit.cli.target import InputError
 from shardkit.errors import ShardkitError
 
 __all__ = ["main", "build_parser", "EXIT_CODES"]
@@ -49,8 +48,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         return _fail(args, "interrupted", EXIT_INTERRUPTED)
-    except InputError as e:
-        return _fail(args, str(e), EXIT_USAGE)
     except ShardkitError as e:
         return _fail(args, str(e), exit_code_for(e))
     except OSError as e:  # the environment: permissions, a vanished file, a full disk

@@ -56,7 +56,7 @@ def guarded(command: str, run, *, damaged_exit: int | None = None):
     meaning "they differ"), 2 for bad input (a missing file, a taken destination, a refused value).
 
     Only typed errors (``ShardkitError``, ``OSError``) are answered here; bad input the CLI finds
-    itself is ``cli.target.InputError`` (2). Anything else, a bare ``ValueError`` or ``TypeError``
+    itself is ``shardkit.errors.InputError`` (2). Anything else, a bare ``ValueError`` or ``TypeError``
     included, is a bug and goes on to ``cli.main``: exit 3, "internal error", as in inspect and validate.
     """
 

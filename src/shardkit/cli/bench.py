@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from shardkit.cli.target import InputError
+from shardkit.errors import InputError
 
 
 def register(sub) -> None:

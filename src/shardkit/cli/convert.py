@@ -26,7 +26,8 @@ import argparse
 
 from shardkit.cli._tools import add_common, guarded, progress_bar
 from shardkit.cli.json_out import json_text
-from shardkit.cli.target import InputError, check_from, checkpoint_kind
+from shardkit.cli.target import check_from, checkpoint_kind
+from shardkit.errors import InputError
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32",
           "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from shardkit.cli.target import InputError
+from shardkit.errors import InputError
 
 
 def register(sub) -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from shardkit.cli._tools import add_common, guarded, progress_bar
 from shardkit.cli.json_out import json_text
-from shardkit.cli.target import DISTRIBUTED, InputError, checkpoint_kind
+from shardkit.cli.target import DISTRIBUTED, checkpoint_kind
+from shardkit.errors import InputError
 
 
 def register(sub) -> None:

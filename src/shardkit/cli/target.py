@@ -21,13 +21,10 @@ from __future__ import annotations
 import os
 import stat
 
+from shardkit.errors import InputError
 from shardkit.sources.detect import DCP, DISTRIBUTED, HF, KIND_NAMES, describe_names, find_format, format_of_names
 
-__all__ = ["InputError", "checkpoint_kind", "check_from", "DISTRIBUTED", "HF", "DCP"]
-
-
-class InputError(Exception):
-    """Bad usage or input: the path is missing, unreadable, or not a checkpoint (exit code 2)."""
+__all__ = ["checkpoint_kind", "check_from", "DISTRIBUTED", "HF", "DCP"]
 
 
 #: Entries a reader would open: each must be a regular file.
