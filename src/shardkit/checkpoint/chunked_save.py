@@ -1,6 +1,6 @@
 """The chunked save (format version 2): prepare on the caller's thread, then write and commit.
 
-Steps (FORMAT.md invariants 1-3, as ``save_distributed``):
+Steps (``docs/format.md``, invariants 1-3):
 
 1. :func:`prepare`: flatten the state, find each tensor's box
    (``dtensor_layout``) and describe the layout compactly

@@ -1,4 +1,4 @@
-"""Files that appear whole or not at all (FORMAT.md invariant 1).
+"""Files that appear whole or not at all (``docs/format.md``, invariant 1).
 
 Write to a temporary name in the same directory, flush, fsync, rename over
 the final name, fsync the directory. A crash at any point leaves either the
