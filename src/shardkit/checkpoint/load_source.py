@@ -155,4 +155,4 @@ def _fill_pass(source: CheckpointSource, reads: Mapping[str, tuple[Box, torch.Te
 
     fill(targets, dtypes,
          lambda names, outputs: source.read_boxes({n: reads[n][0] for n in names}, outputs),
-         apart=overlapping, read_rows=read_rows)
+         apart=overlapping, read_rows=read_rows, prefault=True)
