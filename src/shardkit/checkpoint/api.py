@@ -209,7 +209,7 @@ def stage_for_background(prep, background, dir) -> None:
         prep.to_write, used = stage(prep.to_write, buffers, unfaulted=unfaulted)
     except Exception as e:
         if background is not None:
-            start_background(prep, dir, background, failed=e)._reported = True  # raised below, not at exit
+            start_background(prep, dir, background, failed=e).mark_reported()  # raised below, not at exit
         raise AsyncCheckpointError(f"staging the save to {dir} failed before anything was written: "
                                    f"{type(e).__name__}: {e}. Free host memory (or save less) and save again") from e
     with _BACKGROUND_LOCK:
@@ -283,7 +283,7 @@ def start_background_work(work, dir, background, rank: int, *, future: Checkpoin
         except BaseException as e:  # noqa: BLE001 - handed to wait()
             error = e
         finally:
-            future._finish(error)
+            future.finish(error)
 
     thread = threading.Thread(target=run, name=f"shardkit-async-save-rank{rank}", daemon=False)
     with _BACKGROUND_LOCK:

@@ -221,7 +221,7 @@ class AsyncCheckpointer:
         if reserve is not None:
             reserve.take()  # stops its thread; its buffers go with it
         self._destroy_own_group()
-        if future is not None and not future._reported:
+        if future is not None and not future.reported:
             future.wait()
 
     def __enter__(self) -> "AsyncCheckpointer":
@@ -300,7 +300,7 @@ class AsyncCheckpointer:
         # With a group, the background save only tells the other ranks (their saves fail at the first
         # exchange instead of waiting for this rank); save_async raises the error itself.
         if self.group is not None and isinstance(error, Exception):
-            future._reported = True
+            future.mark_reported()
             self._start(future, target, lambda: report_failed_save(target, self.rank, self.world_size, self.group,
                                                                    error))
         else:

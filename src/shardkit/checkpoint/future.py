@@ -2,7 +2,7 @@
 
 :class:`~shardkit.checkpoint.async_save.AsyncCheckpointer`, the functional
 ``async_save`` and ``CheckpointManager`` hand one out per save; the thread
-that writes calls ``_finish`` once, last. It runs nothing itself.
+that writes calls :meth:`CheckpointFuture.finish` once, last. It runs nothing itself.
 
 Example::
 
@@ -86,7 +86,27 @@ class CheckpointFuture:
         """Seconds from ``save_async`` to the end of the write, once done."""
         return None if self._finished_s is None else self._finished_s - self._started_s
 
-    def _finish(self, error: BaseException | None) -> None:
+    @property
+    def description(self) -> str:
+        """What the save is, for messages (``"checkpoint save"``)."""
+        return self._description
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure of a finished save (None while it runs, and after a success); raises nothing."""
+        return self._error
+
+    @property
+    def reported(self) -> bool:
+        """Whether the failure has reached someone (raised by :meth:`wait`, or marked), so nothing repeats it."""
+        return self._reported
+
+    def mark_reported(self) -> None:
+        """Say that the failure is raised or logged elsewhere: ``close()`` and the exit report stay quiet."""
+        self._reported = True
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """End the save (``error``: why it failed); called once, last, by the thread that writes."""
         self._error = error
         self._finished_s = time.monotonic()
         self._finished.set()

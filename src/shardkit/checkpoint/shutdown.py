@@ -70,12 +70,12 @@ def _report_unseen_failures() -> None:
     """Log each background save that failed and that no ``wait()``/``close()`` ever raised: a job that
     forgot ``close()`` must not lose its last checkpoint in silence."""
     for future in list(_futures):
-        if future.done() and future._error is not None and not future._reported:
-            future._reported = True
-            error = future._error
+        if future.done() and future.error is not None and not future.reported:
+            future.mark_reported()
+            error = future.error
             log.error("the %s to %s failed, and nothing waited for it: %s: %s. That checkpoint is incomplete "
                       "and will not load; wait() on the future (or close() the checkpointer) to raise such "
-                      "failures where they happen", future._description, future.dir, type(error).__name__, error)
+                      "failures where they happen", future.description, future.dir, type(error).__name__, error)
 
 
 def destroy_at_exit(group) -> None:
