@@ -256,7 +256,7 @@ def hf_rows(size_bytes: int, reps: int, workdir: str, world_size: int = 4) -> li
     same = _same_bytes(res, ("shardkit", "dcp"))
     worst = max(res, key=lambda r: max(r["shardkit"]["peaks"]) - 1.2 * r["shard"])
     requested = max(res, key=lambda r: r["requested"] / max(1, r["share"]))
-    note = (f"{HF_FILES} files; equal bytes: {same}; requested/share (worst rank) "
+    note = (f"{HF_FILES} files; equal bytes: {same}; requested/share (worst rank, headers included) "
             f"{requested['requested'] / max(1, requested['share']):.3f}; shard {worst['shard'] >> 20} MiB")
     return [row(case, "shardkit", _timing(res, "shardkit"), bytes=total, note=note,
                 peak_bytes=max(worst["shardkit"]["peaks"]), out_bytes=worst["shard"], same_bytes=same,
