@@ -61,3 +61,23 @@ def test_a_part_read_is_not_verified_a_whole_read_and_a_column_read_are(tmp_path
             ck.read("w")                                                 # the whole record: verified
         with pytest.raises(ChecksumError, match="CRC-32"):
             ck.read_box("w", (0, 0), (16, 8))                            # columns: read whole, verified
+
+
+def test_a_cast_load_of_a_dcp_reads_whole_chunks_and_still_verifies_them(tmp_path, monkeypatch):
+    import shardkit.checkpoint as ckpt
+    from shardkit.checkpoint import fill as fill_module
+
+    monkeypatch.setattr(fill_module, "SLAB_BYTES", 256)           # slabs would split the chunk, unverified
+    w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32).to(torch.bfloat16)
+    dcp.save({"w": w}, checkpoint_id=str(tmp_path), no_dist=True)
+    state = {"w": torch.zeros(64, 32)}
+    ckpt.load(state, str(tmp_path), cast=True)
+    assert torch.equal(state["w"], w.float())
+    with DcpCheckpoint(str(tmp_path)) as ck:
+        chunk, = ck.tensors["w"].chunks
+    with open(os.path.join(tmp_path, chunk.file_name), "rb") as f:
+        f.seek(chunk.offset)
+        start, _, _ = tensor_data_span(io.BytesIO(f.read(chunk.length)), torch.bfloat16, (64, 32))
+    _flip(os.path.join(tmp_path, chunk.file_name), chunk.offset + start + 40 * 32 * 2)
+    with pytest.raises(ChecksumError, match="CRC-32"):
+        ckpt.load({"w": torch.zeros(64, 32)}, str(tmp_path), cast=True)

@@ -11,9 +11,10 @@ The steps, every check before the first read:
 3. reads: the source's ``read_boxes`` (one reader per format,
    ``shardkit.sources``) through the fill engine (``checkpoint/fill.py``):
    straight into the local tensors where they are contiguous CPU tensors of
-   the saved dtype; else, on the CPU (a cast), a slab of rows at a time
-   through one reused scratch buffer, then ``copy_`` (elsewhere, into
-   temporaries of the box's size, then ``copy_``).
+   the saved dtype; else, on the CPU from a source that allows it
+   (``slab_reads``: Hugging Face), a slab of rows at a time through one
+   reused scratch buffer, then ``copy_`` (otherwise into temporaries of
+   the box's size, then ``copy_``).
    A rank reads only its boxes' bytes and never allocates a tensor it does
    not hold;
 4. plain leaves are replaced from the checkpoint's values.
@@ -155,4 +156,4 @@ def _fill_pass(source: CheckpointSource, reads: Mapping[str, tuple[Box, torch.Te
 
     fill(targets, dtypes,
          lambda names, outputs: source.read_boxes({n: reads[n][0] for n in names}, outputs),
-         apart=overlapping, read_rows=read_rows, prefault=True)
+         apart=overlapping, read_rows=read_rows if source.slab_reads else None, prefault=True)

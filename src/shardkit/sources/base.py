@@ -59,6 +59,11 @@ class CheckpointSource:
     """A checkpoint opened for reading; also a context manager (``close`` releases open files)."""
 
     kind: str = ""
+    #: Whether a box read as slabs of its rows reads the same bytes and checks as the box read whole (True
+    #: where nothing is verified per record or block: Hugging Face). Where False, ``checkpoint.load`` reads a
+    #: staged box whole: a slab edge inside a DCP record, or inside a checksum block, would skip that
+    #: record's CRC check or re-read and re-hash the block.
+    slab_reads: bool = False
 
     def __init__(self, path: str):
         self.path = path

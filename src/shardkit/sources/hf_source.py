@@ -49,6 +49,7 @@ class HFSource(CheckpointSource):
     """A Hugging Face checkpoint directory (safetensors or ``.bin``, one file or an index)."""
 
     kind = "hf"
+    slab_reads = True   # no checksums: a slab of rows reads exactly its bytes
 
     def __init__(self, path: str):
         from shardkit.hf.directory import hf_layout
