@@ -3,7 +3,9 @@
 - ``hf``: a bf16 Hugging Face checkpoint (4 safetensors files + index) into a
   fp32 DTensor state on 4 ranks: ``ckpt.load(..., cast=True)`` against
   ``dcp.load`` with ``HuggingFaceStorageReader``; also the bytes each rank
-  requests (against its share) and its peak memory above its baseline;
+  requests (against its share), its peak memory above its baseline, and a
+  floor: writing each rank's fresh fp32 shard once (``zero_``), which any
+  load into fresh memory does (the kernel faults and zeroes every page);
 - ``dcp``: a DCP checkpoint saved by 4 ranks, loaded on 3 ranks into fresh
   tensors: ``ckpt.load`` against ``dcp.load`` of the same directory.
 
@@ -166,7 +168,8 @@ def _hf_rank(rank, world_size, path, shapes, reps):
     mesh = init_device_mesh("cpu", (world_size,))
     fresh = lambda: _fresh_state(shapes, mesh, torch.float32)  # noqa: E731
     impls = {"shardkit": lambda st: ckpt.load(st, path, cast=True),
-             "dcp": lambda st: dcp.load(st, storage_reader=dcp.HuggingFaceStorageReader(path))}
+             "dcp": lambda st: dcp.load(st, storage_reader=dcp.HuggingFaceStorageReader(path)),
+             "floor": _write_once}
     result = _interleaved_calls(impls, fresh, reps)
     state = fresh()
     with _counting_reads() as counted:
@@ -175,6 +178,12 @@ def _hf_rank(rank, world_size, path, shapes, reps):
     result["share"] = sum(t.numel() * 2 for t in _locals(state))      # bf16 bytes of this rank's boxes
     result["shard"] = sum(t.numel() * t.element_size() for t in _locals(state))
     return result
+
+
+def _write_once(state: dict) -> None:
+    """The least any load into fresh memory does: write every byte of the rank's shard once (``zero_``)."""
+    for t in _locals(state):
+        t.zero_()
 
 
 def _dcp_save_rank(rank, world_size, path, shapes):
@@ -262,7 +271,9 @@ def hf_rows(size_bytes: int, reps: int, workdir: str, world_size: int = 4) -> li
                 peak_bytes=max(worst["shardkit"]["peaks"]), out_bytes=worst["shard"], same_bytes=same,
                 requested_bytes=[r["requested"] for r in res], share_bytes=[r["share"] for r in res]),
             row(case, "dcp.load(HuggingFaceStorageReader)", _timing(res, "dcp"), bytes=total,
-                peak_bytes=max(worst["dcp"]["peaks"]), out_bytes=worst["shard"])]
+                peak_bytes=max(worst["dcp"]["peaks"]), out_bytes=worst["shard"]),
+            row(case, "write the fresh fp32 shard once (floor)", _timing(res, "floor"), kind="limit",
+                peak_bytes=max(worst["floor"]["peaks"]), out_bytes=worst["shard"])]
 
 
 def dcp_rows(size_bytes: int, reps: int, workdir: str, saved_world: int = 4, world_size: int = 3) -> list[dict]:
