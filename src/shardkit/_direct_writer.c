@@ -256,6 +256,11 @@ void sk_stop_threads(DirectWriter *w) {
     if (w->threads == NULL) {
         return;
     }
+    if (w->pid != getpid()) { /* a forked child: the threads (and whoever held the lock) stayed in the parent */
+        free(w->threads);
+        w->threads = NULL, w->nthreads = 0;
+        return;
+    }
     pthread_mutex_lock(&w->lock);
     w->stop = 1;
     pthread_cond_broadcast(&w->work);

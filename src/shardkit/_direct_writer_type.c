@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 #include "_stream_copy.h"
 
 #define SK_ALIGN ((size_t)4096)
@@ -86,7 +87,7 @@ static PyObject *dw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     pthread_mutex_init(&w->lock, NULL);
     pthread_cond_init(&w->work, NULL);
     pthread_cond_init(&w->finished, NULL);
-    w->fd = fd, w->depth = (int)depth, w->buffer_bytes = (size_t)buffer_bytes;
+    w->fd = fd, w->depth = (int)depth, w->buffer_bytes = (size_t)buffer_bytes, w->pid = getpid();
     w->hook = hook == Py_None ? NULL : (Py_INCREF(hook), hook);
     w->source.block_bytes = w->written.block_bytes = (size_t)block_bytes;
     w->buffers = calloc((size_t)depth, sizeof *w->buffers);
@@ -129,9 +130,11 @@ static void dw_dealloc(DirectWriter *w) {
     if (w->source.state) sk_xxh3_free(w->source.state);
     if (w->written.state) sk_xxh3_free(w->written.state);
     Py_XDECREF(w->exc[0]), Py_XDECREF(w->exc[1]), Py_XDECREF(w->exc[2]), Py_XDECREF(w->hook);
-    pthread_mutex_destroy(&w->lock);
-    pthread_cond_destroy(&w->work);
-    pthread_cond_destroy(&w->finished);
+    if (w->pid == getpid()) { /* in a forked child the parent's threads may still count as waiters: keep them */
+        pthread_mutex_destroy(&w->lock);
+        pthread_cond_destroy(&w->work);
+        pthread_cond_destroy(&w->finished);
+    }
     Py_TYPE(w)->tp_free((PyObject *)w);
 }
 

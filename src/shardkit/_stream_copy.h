@@ -54,6 +54,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     int fd, depth, nthreads, stop, buffered, busy, reported;
+    pid_t pid;         /* the process that started the threads (a forked child has none of them) */
     size_t buffer_bytes, filled;
     off_t next_offset;
     unsigned long long submitted, taken, retired; /* job k uses buffer k % depth */
