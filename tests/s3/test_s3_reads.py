@@ -1,4 +1,4 @@
-"""S3 reads stream into the caller's buffers (``fsspec_readers._S3RangeReader``): any split into buffers and parts."""
+"""S3 reads stream into the caller's buffers (``fsspec_readers.S3RangeReader``): any split into buffers and parts."""
 
 from __future__ import annotations
 

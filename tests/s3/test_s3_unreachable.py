@@ -105,10 +105,10 @@ def test_an_upload_to_an_unreachable_endpoint_raises_checkpoint_io_error(dead_en
 
 def test_a_ranged_read_from_an_unreachable_endpoint_raises_checkpoint_io_error(dead_endpoint):
     # A reader opened while the store answered, then the store went away: its reads fail typed.
-    from shardkit.storage.fsspec_store import _S3RangeReader
+    from shardkit.storage.fsspec_store import S3RangeReader
 
     store, path = storage_for(URL + "/rank_0.safetensors")
-    reader = _S3RangeReader(path, store.fs, store.fs._strip_protocol(path), 1000)
+    reader = S3RangeReader(path, store.fs, store.fs._strip_protocol(path), 1000)
     with pytest.raises(CheckpointIOError) as caught:
         reader.read_into(0, memoryview(bytearray(100)))
     _assert_unreachable(caught.value, path)

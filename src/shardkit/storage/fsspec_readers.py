@@ -10,7 +10,7 @@ Nothing here writes.
 
 Example::
 
-    reader = _RangeReader("memory://ck/rank_0.safetensors", fs, "/ck/rank_0.safetensors", size)
+    reader = RangeReader("memory://ck/rank_0.safetensors", fs, "/ck/rank_0.safetensors", size)
     reader.read_into(0, memoryview(bytearray(8)))
 """
 
@@ -25,7 +25,7 @@ from shardkit.errors import CheckpointIOError
 from shardkit.storage.base import Reader
 from shardkit.storage.store_errors import store_errors
 
-__all__ = ["fetched_bytes"]
+__all__ = ["fetched_bytes", "RangeReader", "S3RangeReader", "StoreFile"]
 
 _fetched_lock = threading.Lock()
 _fetched = [0]
@@ -67,7 +67,7 @@ def _parts(offset: int, views: list[memoryview], part_bytes: int) -> list[tuple[
     return parts
 
 
-class _RangeReader(Reader):
+class RangeReader(Reader):
     """Ranged reads of one object; large reads are split into parts fetched concurrently.
 
     Thread-safe: no shared file position, each read is its own request(s).
@@ -130,7 +130,7 @@ class _RangeReader(Reader):
             f"loaded from that response.", errno.EIO, "byte range not honoured", self.name)
 
 
-class _S3RangeReader(_RangeReader):
+class S3RangeReader(RangeReader):
     """An S3 object's ranged GETs streamed straight into the caller's buffers.
 
     Each response body is copied chunk by chunk into the views as it
@@ -186,7 +186,7 @@ class _S3RangeReader(_RangeReader):
         return got
 
 
-class _StoreFile:
+class StoreFile:
     """A file ``FsspecStorage.open_file`` opened: its reads raise the store's failures typed
     (``store_errors``); every other attribute is the fsspec file's own."""
 

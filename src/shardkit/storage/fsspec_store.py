@@ -47,7 +47,7 @@ from shardkit import knobs
 from shardkit.errors import MetadataError, MissingShardError
 from shardkit.storage.atomic import temp_name
 from shardkit.storage.base import Reader, Storage
-from shardkit.storage.fsspec_readers import _RangeReader, _S3RangeReader, _StoreFile, fetched_bytes
+from shardkit.storage.fsspec_readers import RangeReader, S3RangeReader, StoreFile, fetched_bytes
 from shardkit.storage.lock import is_lock_name
 from shardkit.storage.s3_upload import NOTHING_PUBLISHED, S3MultipartWriter, S3PartSink
 from shardkit.storage.store_errors import store_errors, translated
@@ -225,7 +225,7 @@ class FsspecStorage(Storage):
     @translated("open")
     def open_file(self, path: str):
         try:
-            return _StoreFile(self.fs.open(self._strip(path), "rb", block_size=knobs.OBJECT_PART_BYTES), path)
+            return StoreFile(self.fs.open(self._strip(path), "rb", block_size=knobs.OBJECT_PART_BYTES), path)
         except FileNotFoundError as e:
             raise MissingShardError(f"{path} does not exist") from e
 
@@ -236,7 +236,7 @@ class FsspecStorage(Storage):
             size = int(self.fs.size(stripped))
         except FileNotFoundError as e:
             raise MissingShardError(f"{path} does not exist") from e
-        return (_S3RangeReader if self._protocol in _S3 else _RangeReader)(path, self.fs, stripped, size)
+        return (S3RangeReader if self._protocol in _S3 else RangeReader)(path, self.fs, stripped, size)
 
     def open_sink(self, f, durable: bool = True, checksum: bool = False, size_bytes: int | None = None,
                   inline: bool = False):
