@@ -47,6 +47,31 @@ FIRST_CALL_MIN_REPS = 5
 # run between timed runs instead. (A gc.collect() before each run cost 0.2-0.5 s per run in pytest.)
 
 
+def status_bytes(field: str) -> int:
+    """A byte count of this process from ``/proc/self/status`` (``"VmRSS"``, ``"VmHWM"``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak RSS (``VmHWM``) to its current RSS; return that.
+
+    ``ru_maxrss`` would not do: it cannot be reset, and Linux carries it across
+    fork and exec, so a spawned rank starts with its parent's peak.
+    """
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_bytes("VmRSS")
+
+
+def peak_rss() -> int:
+    """This process's peak RSS since :func:`reset_peak_rss` (or its start)."""
+    return status_bytes("VmHWM")
+
+
 def barrier_timed(fn: Callable[[], object]) -> float:
     """Seconds ``fn()`` takes on the slowest rank of the default process group (barriers around it)."""
     import torch.distributed as dist

@@ -38,7 +38,7 @@ import zlib
 
 import torch
 
-from shardkit.bench.common import row
+from shardkit.bench.common import peak_rss, reset_peak_rss, row
 from shardkit.bench.workload import make_tensor, tensor_shapes
 from shardkit.launch import run_local_ranks
 
@@ -95,21 +95,6 @@ def _digest(state: dict) -> list[str]:
     return [xxhash.xxh3_64_hexdigest(byte_view(t.contiguous())) for t in _locals(state)]
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> int:
-    """Reset VmHWM to the current RSS (ru_maxrss cannot be reset); return that RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_bytes("VmRSS")
-
-
 def _interleaved_calls(impls: dict, fresh, reps: int) -> dict:
     """Each impl ``reps`` times, alternating; per impl: times, peak bytes above the pre-call RSS, digests."""
     import torch.distributed as dist
@@ -119,13 +104,13 @@ def _interleaved_calls(impls: dict, fresh, reps: int) -> dict:
         for name, fn in (list(impls.items())[::-1] if rep % 2 else impls.items()):
             state = fresh()
             gc.collect()
-            baseline = _reset_peak()
+            baseline = reset_peak_rss()
             dist.barrier()
             start = time.perf_counter()
             fn(state)
             dist.barrier()
             out[name]["times"].append(time.perf_counter() - start)
-            out[name]["peaks"].append(max(0, _status_bytes("VmHWM") - baseline))
+            out[name]["peaks"].append(max(0, peak_rss() - baseline))
             out[name]["digests"].append(_digest(state))
             del state
     return out

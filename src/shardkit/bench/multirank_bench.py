@@ -18,7 +18,7 @@ import zlib
 
 import torch
 
-from shardkit.bench.common import row
+from shardkit.bench.common import peak_rss, reset_peak_rss, row
 from shardkit.bench.workload import tensor_shapes
 from shardkit.checkpoint import ShardMetadata, TensorShardSpec, compute_shard_sizes, load_distributed, save_distributed
 from shardkit.launch import run_local_ranks
@@ -159,32 +159,9 @@ def _load_rank(rank, world_size, size_bytes, workdir, reps, impl, saved_world):
     out = load()  # warm cache; also the output size
     out_bytes = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in out.values())
     del out
-    baseline = _reset_peak_rss()
+    baseline = reset_peak_rss()
     times = _timed(reps, load)
-    return {"times": times, "peak_extra": max(0, _peak_rss() - baseline), "out_bytes": out_bytes}
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak_rss() -> int:
-    """Reset this process's peak RSS to its current RSS; return that.
-
-    ``ru_maxrss`` would not do: Linux carries it across fork and exec, so a
-    spawned rank starts with its parent's peak.
-    """
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_bytes("VmRSS")
-
-
-def _peak_rss() -> int:
-    return _status_bytes("VmHWM")
+    return {"times": times, "peak_extra": max(0, peak_rss() - baseline), "out_bytes": out_bytes}
 
 
 def _with_env(env: dict, fn, *args, **kwargs):
