@@ -72,6 +72,25 @@ def peak_rss() -> int:
     return status_bytes("VmHWM")
 
 
+def with_env(env: dict, fn, *args, **kwargs):
+    """Run ``fn`` with ``env`` set, so ranks it spawns inherit it.
+
+    The load cases spawn their ranks with glibc's mmap threshold pinned low:
+    freed large buffers then go back to the OS at once, and a rank's peak RSS
+    counts what each load really holds, not what an earlier one left behind.
+    """
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def barrier_timed(fn: Callable[[], object]) -> float:
     """Seconds ``fn()`` takes on the slowest rank of the default process group (barriers around it)."""
     import torch.distributed as dist

@@ -38,7 +38,7 @@ import zlib
 
 import torch
 
-from shardkit.bench.common import peak_rss, reset_peak_rss, row
+from shardkit.bench.common import peak_rss, reset_peak_rss, row, with_env
 from shardkit.bench.workload import make_tensor, tensor_shapes
 from shardkit.launch import run_local_ranks
 
@@ -222,19 +222,9 @@ def _same_bytes(per_rank: list[dict], impls: tuple[str, ...]) -> bool:
     return True
 
 
-def _with_env(env: dict, fn, *args, **kwargs):
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-
-
 def _run_ranks(fn, world_size, *args, workdir):
     """``fn`` on ranks whose freed large buffers go back to the OS at once (peak RSS = what a call holds)."""
-    return _with_env({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, run_local_ranks, fn, world_size, *args,
+    return with_env({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, run_local_ranks, fn, world_size, *args,
                      workdir=workdir)
 
 

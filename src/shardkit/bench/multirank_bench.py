@@ -18,7 +18,7 @@ import zlib
 
 import torch
 
-from shardkit.bench.common import peak_rss, reset_peak_rss, row
+from shardkit.bench.common import peak_rss, reset_peak_rss, row, with_env
 from shardkit.bench.workload import tensor_shapes
 from shardkit.checkpoint import ShardMetadata, TensorShardSpec, compute_shard_sizes, load_distributed, save_distributed
 from shardkit.launch import run_local_ranks
@@ -164,25 +164,6 @@ def _load_rank(rank, world_size, size_bytes, workdir, reps, impl, saved_world):
     return {"times": times, "peak_extra": max(0, peak_rss() - baseline), "out_bytes": out_bytes}
 
 
-def _with_env(env: dict, fn, *args, **kwargs):
-    """Run ``fn`` with ``env`` set, so ranks it spawns inherit it.
-
-    The load cases spawn their ranks with glibc's mmap threshold pinned low:
-    freed large buffers then go back to the OS at once, and a rank's peak RSS
-    counts what each load really holds, not what an earlier one left behind.
-    """
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _agg(per_rank_times: list[list[float]]) -> dict:
     slowest = [max(ts) for ts in zip(*per_rank_times)]
     return {"median_s": statistics.median(slowest), "min_s": min(slowest), "max_s": max(slowest)}
@@ -204,7 +185,7 @@ def run_multirank_benchmarks(size_bytes: int, reps: int, workdir: str, old_world
         ("seed", "seed method (load all, concat, slice)", old_world, "peer"),
         ("shardkit", f"same-world-size load {new_world} -> {new_world} (limit)", new_world, "limit"),
     ):
-        res = _with_env({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, run_local_ranks, _load_rank, new_world,
+        res = with_env({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}, run_local_ranks, _load_rank, new_world,
                         size_bytes, workdir, reps, impl, saved_world, workdir=workdir)
         worst = max(res, key=lambda r: r["peak_extra"])
         rows.append(row(case, name, _agg([r["times"] for r in res]), kind=kind,
