@@ -22,29 +22,44 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import sys
+import types
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardkit.errors import TensorMismatchError
 from shardkit.layout import Box, cover_problem, whole_box
 
-try:  # private torch API: without it every box is exchanged instead of computed
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-except ImportError:  # pragma: no cover - depends on the torch version
-    _compute_local_shape_and_global_offset = None
-try:
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover - depends on the torch version
-    _StridedShard = None
+_DTENSOR_PACKAGE = "torch.distributed.tensor"
+
+
+@functools.cache
+def _dtensor_api() -> types.SimpleNamespace:
+    """torch's DTensor names, imported on first use: importing them costs over a second (sympy), and a
+    process that never made a DTensor never needs them (``import shardkit.checkpoint`` stays quick)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    try:  # private torch API: without it every box is exchanged instead of computed
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as predict
+    except ImportError:  # pragma: no cover - depends on the torch version
+        predict = None
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard as strided
+    except ImportError:  # pragma: no cover - depends on the torch version
+        strided = None
+    return types.SimpleNamespace(DTensor=DTensor, Replicate=Replicate, Shard=Shard, StridedShard=strided,
+                                 local_shape_and_offset=compute_local_shape_and_global_offset,
+                                 predict=predict)
+
 
 __all__ = ["is_dtensor", "local_box", "outside_mesh", "global_shape", "placement_code", "is_shard",
            "is_known_placement", "tiles_by_construction", "predicted_box"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor)
+    """Whether ``t`` is a DTensor (without importing torch's DTensor package when no DTensor can exist)."""
+    return _DTENSOR_PACKAGE in sys.modules and isinstance(t, _dtensor_api().DTensor)
 
 
 def global_shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -58,7 +73,7 @@ def local_box(name: str, t: torch.Tensor) -> tuple[Box, torch.Tensor]:
     :class:`TensorMismatchError` when a DTensor's local tensor does not have
     the shape its placements give it (a partial, un-reduced DTensor, say).
     """
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return whole_box(tuple(t.shape)), t
     local = t.to_local()
     if any(p.is_partial() for p in t.placements):
@@ -67,7 +82,7 @@ def local_box(name: str, t: torch.Tensor) -> tuple[Box, torch.Tensor]:
     _check_layout(name, t)
     if outside_mesh(t):
         return Box(tuple(0 for _ in t.shape), tuple(0 for _ in t.shape)), local
-    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    sizes, offsets = _dtensor_api().local_shape_and_offset(t.shape, t.device_mesh, t.placements)
     sizes, offsets = tuple(int(s) for s in sizes), tuple(int(o) for o in offsets)
     if tuple(local.shape) != sizes:
         raise TensorMismatchError(f"DTensor {name!r} has a local tensor of shape {list(local.shape)}, but its "
@@ -77,10 +92,10 @@ def local_box(name: str, t: torch.Tensor) -> tuple[Box, torch.Tensor]:
 
 def outside_mesh(t: torch.Tensor) -> bool:
     """A DTensor whose mesh this rank is not part of: it holds nothing of the tensor."""
-    return isinstance(t, DTensor) and t.device_mesh.get_coordinate() is None
+    return is_dtensor(t) and t.device_mesh.get_coordinate() is None
 
 
-def _check_layout(name: str, t: DTensor) -> None:
+def _check_layout(name: str, t) -> None:
     """Refuse placements whose local parts are not one box each: one box per rank is what is saved and filled."""
     unknown = [p for p in t.placements if not is_known_placement(p)]
     if unknown:
@@ -110,27 +125,30 @@ def _boxes_tile(shape, mesh_shape, placements) -> bool:
 
 def is_shard(p) -> bool:
     """A placement that splits a tensor dimension over a mesh dimension (``Shard`` or ``_StridedShard``)."""
-    return isinstance(p, Shard) or (_StridedShard is not None and isinstance(p, _StridedShard))
+    api = _dtensor_api()
+    return isinstance(p, api.Shard) or (api.StridedShard is not None and isinstance(p, api.StridedShard))
 
 
 def is_known_placement(p) -> bool:
     """``Shard``, ``_StridedShard`` or ``Replicate``: placements :func:`predicted_box` handles."""
-    return is_shard(p) or isinstance(p, Replicate)
+    return is_shard(p) or isinstance(p, _dtensor_api().Replicate)
 
 
 def tiles_by_construction(p) -> bool:
     """Exactly ``Shard`` or ``Replicate``: the boxes of any mesh of these tile the tensor (each mesh
     dimension splits a tensor dimension into contiguous chunks as ``torch.chunk`` does)."""
-    return type(p) is Shard or type(p) is Replicate
+    api = _dtensor_api()
+    return type(p) is api.Shard or type(p) is api.Replicate
 
 
 def placement_code(p) -> list:
     """A JSON value naming placement ``p`` exactly (equal codes: equal boxes on every coordinate)."""
-    if _StridedShard is not None and isinstance(p, _StridedShard):
+    api = _dtensor_api()
+    if api.StridedShard is not None and isinstance(p, api.StridedShard):
         return ["SS", int(p.dim), int(p.split_factor)]
-    if type(p) is Shard:
+    if type(p) is api.Shard:
         return ["S", int(p.dim)]
-    if type(p) is Replicate:
+    if type(p) is api.Replicate:
         return ["R"]
     return ["?", type(p).__qualname__, repr(p)]
 
@@ -144,10 +162,11 @@ def predicted_box(global_shape, mesh_shape, coordinate, placements) -> Box | Non
     ndim = len(global_shape)
     if coordinate is None:
         return Box((0,) * ndim, (0,) * ndim)
-    if _compute_local_shape_and_global_offset is None or not all(map(is_known_placement, placements)):
+    predict = _dtensor_api().predict
+    if predict is None or not all(map(is_known_placement, placements)):
         return None
     try:
-        sizes, offsets = _compute_local_shape_and_global_offset(tuple(global_shape), tuple(mesh_shape),
+        sizes, offsets = predict(tuple(global_shape), tuple(mesh_shape),
                                                                 list(coordinate), tuple(placements))
     except Exception:  # noqa: BLE001 - a layout torch cannot compute is one not to predict
         return None
