@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -42,22 +43,25 @@ CLEARED_ENV = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3")
 
 @dataclass
 class SeaweedServer:
-    """A running server: its S3 endpoint URL, its process and its log file."""
+    """A running server: its S3 endpoint URL, its process, its log file and the folder of its sockets."""
 
     endpoint: str
     proc: subprocess.Popen
     log_path: str
+    socket_dir: str
 
     def stop(self) -> None:
-        """SIGTERM, ``STOP_GRACE_S`` to exit, then SIGKILL (no data needs saving)."""
-        if self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM, ``STOP_GRACE_S`` to exit, then SIGKILL (no data needs saving); remove its sockets."""
         try:
-            self.proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
+        finally:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def weed_binary() -> str | None:
@@ -116,18 +120,20 @@ def start(root: str, weed: str | None = None) -> SeaweedServer:
     data = os.path.join(root, "data")
     os.makedirs(data, exist_ok=True)
     master, volume, filer, s3 = (_free_port_with_grpc() for _ in range(4))
+    # A unix socket path holds at most 107 bytes; ``root`` may be deeper (pytest's tmp_path under xdist).
+    sockets = tempfile.mkdtemp(prefix="shardkit-weed-")
     args = [
         weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}",
         f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
         "-s3", f"-s3.port={s3}", "-s3.port.iceberg=0", "-s3.port.lance=0",
         "-master.volumeSizeLimitMB=64", "-volume.max=0", "-volume.preStopSeconds=0",
-        f"-filer.localSocket={root}/filer.sock", f"-s3.localSocket={root}/s3.sock",
+        f"-filer.localSocket={sockets}/filer.sock", f"-s3.localSocket={sockets}/s3.sock",
     ]
     log_path = os.path.join(root, "weed.log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-    server = SeaweedServer(f"http://127.0.0.1:{s3}", proc, log_path)
+    server = SeaweedServer(f"http://127.0.0.1:{s3}", proc, log_path, sockets)
     try:
         _wait_ready(server)
     except BaseException:
