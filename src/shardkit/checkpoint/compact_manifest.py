@@ -100,7 +100,8 @@ class Grid:
         cell_bytes = np.ones((), dtype=np.int64) * itemsize
         for s in self.splits:
             cell_bytes = np.multiply.outer(cell_bytes, s.sizes_array())
-        np.add.at(out, self._rank_array().reshape(-1), cell_bytes.reshape(-1))
+        cell_bytes, ranks = cell_bytes.reshape(-1), self._rank_array().reshape(-1)
+        np.add.at(out, ranks[cell_bytes > 0], cell_bytes[cell_bytes > 0])
         return out
 
     def _rank_array(self) -> np.ndarray:
@@ -222,9 +223,11 @@ def _check_affine(what: str, g: Grid, num_ranks: int) -> None:
         reach += s * (k - 1)
 
 
-def affine_or_ranks(full_shape: tuple[int, ...], splits: tuple[Split, ...], ranks: np.ndarray) -> Grid:
+def affine_or_ranks(full_shape: tuple[int, ...], splits: tuple[Split, ...], ranks: np.ndarray,
+                    num_ranks: int) -> Grid:
     """The grid of ``splits`` whose cell ``i`` is in rank ``ranks[i]`` (an array of the grid's counts,
-    -1 or anything for an empty cell): by ``first`` + ``steps`` when that fits, else listed."""
+    -1 or anything for an empty cell): by ``first`` + ``steps`` when that fits (and passes the
+    checks ``parse_grid`` makes), else listed."""
     counts = tuple(s.count for s in splits)
     ranks = ranks.reshape(counts)
     nonempty = np.ones((), dtype=bool)
@@ -234,8 +237,13 @@ def affine_or_ranks(full_shape: tuple[int, ...], splits: tuple[Split, ...], rank
     steps = tuple(int(ranks[tuple(1 if e == d else 0 for e in range(len(counts)))]) - first if k > 1 else 0
                   for d, k in enumerate(counts))
     grid = Grid(full_shape, splits, first, steps)
-    if ranks.size and np.array_equal(np.where(nonempty, grid._rank_array(), -1), np.where(nonempty, ranks, -1)):
-        return grid
+    try:
+        _check_affine("the planned grid", grid, num_ranks)
+    except MetadataError:
+        pass
+    else:
+        if np.array_equal(np.where(nonempty, grid._rank_array(), -1), np.where(nonempty, ranks, -1)):
+            return grid
     return Grid(full_shape, splits, ranks=tuple(np.where(nonempty, ranks, -1).reshape(-1).tolist()))
 
 
@@ -260,7 +268,7 @@ def grid_of_chunks(full_shape: tuple[int, ...], chunks: Sequence[Chunk]) -> Grid
     ranks = np.full([len(p) for p in per_dim], -1, dtype=np.int64)
     for c in chunks:
         ranks[tuple(ix[o] for ix, o in zip(index, c.offsets))] = file_rank(c.file)
-    return affine_or_ranks(tuple(full_shape), tuple(splits), ranks)
+    return affine_or_ranks(tuple(full_shape), tuple(splits), ranks, int(ranks.max()) + 1)
 
 
 def derived_ranges(held: Sequence[tuple[str, str, Sequence[int]]], data_start: int) -> dict[str, tuple[int, int]]:

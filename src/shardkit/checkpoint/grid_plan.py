@@ -91,7 +91,7 @@ def _grid(desc: Description, name: str, t: TensorLayout, plain, turns, by_global
     key = (t.mesh, t.codes, ndim, turns[name] % replicas)
     if key not in cache:
         cache[key] = _rank_array(desc, name, t, sharding, splits, by_global, turns[name])
-    return affine_or_ranks(t.full_shape, splits, cache[key])
+    return affine_or_ranks(t.full_shape, splits, cache[key], world_size)
 
 
 def _rank_array(desc: Description, name: str, t: TensorLayout, sharding, splits, by_global, turn: int) -> np.ndarray:

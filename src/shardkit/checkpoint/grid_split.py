@@ -42,6 +42,10 @@ from shardkit.storage.json_io import short_repr
 __all__ = ["ChunkSplit", "EvenSplit", "SizesSplit", "Split", "parse_split", "split_of_sizes"]
 
 
+#: At most this many nested chunk levels per dimension (one per mesh dimension sharding it).
+_MAX_LEVELS = 64
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -210,13 +214,16 @@ def parse_split(raw: Any, n: int, max_parts: int, what: str) -> Split:
         raise MetadataError(f"{what} is {short_repr(raw)}; expected null, {{\"chunk\": [...]}}, "
                             f"{{\"even\": k}} or {{\"sizes\": [...]}}")
     (kind, value), = raw.items()
+    if kind not in ("chunk", "even", "sizes"):
+        raise MetadataError(f"{what} has split kind {short_repr(kind)}; known: chunk, even, sizes")
     if kind == "even":
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= max_parts:
             raise MetadataError(f"{what} splits evenly into {short_repr(value)} parts; expected 1..{max_parts}")
         return EvenSplit(n, value)
-    if not isinstance(value, list) or len(value) > max_parts or any(
+    max_items = _MAX_LEVELS if kind == "chunk" else max_parts
+    if not isinstance(value, list) or len(value) > max_items or any(
             not isinstance(v, int) or isinstance(v, bool) or v < (1 if kind == "chunk" else 0) for v in value):
-        raise MetadataError(f"{what}: {kind} is {short_repr(value)}; expected a list of at most {max_parts} "
+        raise MetadataError(f"{what}: {kind} is {short_repr(value)}; expected a list of at most {max_items} "
                             f"integers ({'>= 1' if kind == 'chunk' else '>= 0'})")
     if kind == "chunk":
         parts = 1
@@ -225,8 +232,6 @@ def parse_split(raw: Any, n: int, max_parts: int, what: str) -> Split:
             if parts > max_parts:
                 raise MetadataError(f"{what} cuts into {short_repr(value)} parts, more than the {max_parts} allowed")
         return ChunkSplit(n, tuple(value))
-    if kind == "sizes":
-        if sum(value) != n:
-            raise MetadataError(f"{what} has sizes summing to {sum(value)}, but the dimension has {n} elements")
-        return SizesSplit(tuple(value))
-    raise MetadataError(f"{what} has split kind {short_repr(kind)}; known: chunk, even, sizes")
+    if sum(value) != n:
+        raise MetadataError(f"{what} has sizes summing to {sum(value)}, but the dimension has {n} elements")
+    return SizesSplit(tuple(value))
