@@ -65,19 +65,24 @@ def grid_plan(desc: Description, global_ranks: list[int | None], world_size: int
     plain = plain_writers(desc, world_size)
     turns = replica_turns(desc)
     rank_arrays: dict[tuple, np.ndarray] = {}
+    grids: dict[tuple, Grid] = {}            # tensors of one shape and layout share their grid ...
+    grid_bytes: dict[tuple, np.ndarray] = {}  # ... and its bytes per rank
     data_bytes = np.zeros(world_size, dtype=np.int64)
     out = {}
     for name, t in desc.tensors.items():
         grid = None
         if math.prod(t.full_shape):
-            grid = _grid(desc, name, t, plain, turns, by_global, world_size, rank_arrays)
-            data_bytes += grid.bytes_per_rank(NAME_TO_DTYPE[t.dtype].itemsize, world_size)
+            grid = _grid(desc, name, t, plain, turns, by_global, world_size, rank_arrays, grids)
+            key = (grid, NAME_TO_DTYPE[t.dtype].itemsize)
+            if key not in grid_bytes:
+                grid_bytes[key] = grid.bytes_per_rank(key[1], world_size)
+            data_bytes += grid_bytes[key]
         out[name] = (t.full_shape, t.dtype, grid)
     return GridPlan(out, data_bytes)
 
 
 def _grid(desc: Description, name: str, t: TensorLayout, plain, turns, by_global, world_size,
-          cache: dict) -> Grid:
+          cache: dict, grids: dict) -> Grid:
     ndim = len(t.full_shape)
     if t.kind == "plain":
         return Grid(t.full_shape, tuple(ChunkSplit(n) for n in t.full_shape), plain[name], (0,) * ndim)
@@ -91,7 +96,9 @@ def _grid(desc: Description, name: str, t: TensorLayout, plain, turns, by_global
     key = (t.mesh, t.codes, ndim, turns[name] % replicas)
     if key not in cache:
         cache[key] = _rank_array(desc, name, t, sharding, splits, by_global, turns[name])
-    return affine_or_ranks(t.full_shape, splits, cache[key], world_size)
+    if (key, t.full_shape) not in grids:
+        grids[key, t.full_shape] = affine_or_ranks(t.full_shape, splits, cache[key], world_size)
+    return grids[key, t.full_shape]
 
 
 def _rank_array(desc: Description, name: str, t: TensorLayout, sharding, splits, by_global, turn: int) -> np.ndarray:
