@@ -168,3 +168,23 @@ def test_saves_through_the_compact_path_load_and_validate(tmp_path, monkeypatch,
             else:
                 got = outs[0][name]
             assert torch.equal(got, full), name
+
+
+def test_a_manifest_claiming_too_many_grid_cells_is_refused(monkeypatch):
+    grid = {"splits": [{"chunk": [64]}], "files": {"first": 0, "steps": [1]}}
+    meta = {"format": "shardkit.distributed", "format_version": 3, "num_ranks": 64,
+            "tensor_specs": {f"t{i}": {"full_shape": [64], "dtype": "F32", "grid": grid} for i in range(4)}}
+    assert len(parse_manifest("m", json.dumps(meta).encode()).tensors) == 4
+    monkeypatch.setattr(knobs, "MAX_GRID_CELLS", 200)
+    with pytest.raises(MetadataError, match="256 cells"):
+        parse_manifest("m", json.dumps(meta).encode())
+
+
+def test_rank_0_checks_each_reported_file_against_the_planned_bytes():
+    from shardkit.checkpoint.chunked_save import _check_sized
+    record = {"bytes": 108, "checksum": "xxh3_64_blocks:" + "0" * 16, "block_bytes": 1 << 20,
+              "block_checksums": ["0" * 16]}
+    assert _check_sized(1, 100, {"record": record, "header": "x", "data_start": 8}).bytes == 108
+    for start in (16, None, 4):
+        with pytest.raises(MetadataError, match="planned different writes"):
+            _check_sized(1, 100, {"record": record, "header": "x", "data_start": start})

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,6 +207,7 @@ def parse_manifest(source: str, data: bytes) -> Manifest:
     raw_specs = expect_dict(obj.get("tensor_specs"), f"{source}: tensor_specs")
     tensors = {expect_str(name, f"{source}: a tensor name"): _saved_tensor(source, name, raw, num_ranks, version)
                for name, raw in raw_specs.items()}
+    _check_grid_cells(source, tensors)
     files = {check_relative_name(f, (".safetensors",), source=source): FileRecord.from_json(f, r)
              for f, r in expect_dict(obj.get("files") or {}, f"{source}: files").items()}
     objects = {name: decode_value(raw, f"{source}: object {short_repr(name)}")
@@ -223,6 +225,13 @@ def parse_manifest(source: str, data: bytes) -> Manifest:
 
 
 _FIX = "The file is corrupt or not a shardkit checkpoint: load an earlier checkpoint."
+
+
+def _check_grid_cells(source: str, tensors: dict[str, SavedTensor]) -> None:
+    cells = sum(math.prod(t.chunks.grid.counts) for t in tensors.values() if isinstance(t.chunks, GridChunks))
+    if cells > knobs.MAX_GRID_CELLS:
+        raise MetadataError(f"{source}'s grid entries have {cells:,} cells in all, more than "
+                            f"knobs.MAX_GRID_CELLS ({knobs.MAX_GRID_CELLS:,}). {_FIX}")
 
 
 def _load_json(source: str, data: bytes) -> Any:
