@@ -188,3 +188,16 @@ def test_rank_0_checks_each_reported_file_against_the_planned_bytes():
     for start in (16, None, 4):
         with pytest.raises(MetadataError, match="planned different writes"):
             _check_sized(1, 100, {"record": record, "header": "x", "data_start": start})
+
+
+def test_chunks_with_extra_fields_set_keep_the_general_list():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class BaseChunk(Chunk):
+        base: str | None = None
+
+    plain = [BaseChunk("rank_0.safetensors", (0,), (2,), 0, 0), BaseChunk("rank_1.safetensors", (2,), (2,), 0, 0)]
+    assert grid_of_chunks((4,), plain) is not None
+    referenced = [plain[0], BaseChunk("rank_1.safetensors", (2,), (2,), 0, 0, base="../step-100")]
+    assert grid_of_chunks((4,), referenced) is None

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from functools import cached_property
 from typing import Any, Iterator, Sequence
 
@@ -253,7 +253,7 @@ def grid_of_chunks(full_shape: tuple[int, ...], chunks: Sequence[Chunk]) -> Grid
     e.g. a reference to another checkpoint, is never compacted). O(chunks)."""
     if not chunks or any(file_rank(c.file) is None for c in chunks):
         return None
-    if any(set(f.name for f in fields(c)) != _CHUNK_FIELDS for c in chunks):
+    if not all(map(_plain_chunk, chunks)):
         return None
     per_dim = [sorted({(c.offsets[d], c.sizes[d]) for c in chunks}) for d in range(len(full_shape))]
     if math.prod(len(p) for p in per_dim) != len(chunks):
@@ -269,6 +269,18 @@ def grid_of_chunks(full_shape: tuple[int, ...], chunks: Sequence[Chunk]) -> Grid
     for c in chunks:
         ranks[tuple(ix[o] for ix, o in zip(index, c.offsets))] = file_rank(c.file)
     return affine_or_ranks(tuple(full_shape), tuple(splits), ranks, int(ranks.max()) + 1)
+
+
+def _plain_chunk(c: Chunk) -> bool:
+    """Whether ``c`` carries nothing beyond a box in a file (any field added to chunks, e.g. a reference
+    to another checkpoint's data, left at its default or None)."""
+    for f in fields(c):
+        if f.name in _CHUNK_FIELDS:
+            continue
+        value = getattr(c, f.name)
+        if value is not None and (f.default is MISSING or value != f.default):
+            return False
+    return True
 
 
 def derived_ranges(held: Sequence[tuple[str, str, Sequence[int]]], data_start: int) -> dict[str, tuple[int, int]]:
