@@ -28,7 +28,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import sys

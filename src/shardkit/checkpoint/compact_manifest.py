@@ -38,7 +38,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from shardkit.checkpoint.chunks import Chunk
-from shardkit.checkpoint.grid_split import ChunkSplit, Split, parse_split, split_of_sizes
+from shardkit.checkpoint.grid_split import Split, parse_split, split_of_sizes
 from shardkit.errors import MetadataError
 from shardkit.layout import Box, intersect
 from shardkit.storage import file_layout
