@@ -34,6 +34,15 @@ MAX_INDEX_BYTES: int = 10 * 1024 * 1024
 #: Past it the save is refused, naming the leaf: store such bytes as a uint8 tensor.
 MAX_BYTES_VALUE: int = 1 << 20
 
+#: ``metadata.json`` (version 3) describes a tensor whose chunks form a regular grid as one compact
+#: entry in saves of at least this many ranks; smaller saves list every chunk with its byte range (as
+#: small there, and readable by eye). Tests set it to 1 to put every save through the compact path.
+COMPACT_MIN_RANKS: int = 8
+
+#: At most this many cells in all the grid entries of one ``metadata.json`` (4,096 ranks x 1,000
+#: tensors is 2**22): a hostile file of a few bytes per grid cannot make a reader expand billions of chunks.
+MAX_GRID_CELLS: int = 1 << 26
+
 # --- limits on untrusted files (metadata.json, rank manifests, safetensors headers) ---------
 # A file on disk may be damaged or hostile: these bound the work and memory that
 # parsing and planning may spend on it (see ``storage.json_io``).

@@ -29,7 +29,7 @@ def test_round_trip_in_place_with_plain_leaves(tmp_path):
     state = {"model": {"w": W.clone(), "b": torch.arange(4)}, "step": 7, "groups": [{"lr": 0.1}], "s": torch.tensor(2.5)}
     ckpt.save(state, tmp_path, metadata={"note": "x"})
     meta = json.loads((tmp_path / "metadata.json").read_text())
-    assert meta["format_version"] == 2 and meta["user_metadata"] == {"note": "x"}
+    assert meta["format_version"] == 3 and meta["user_metadata"] == {"note": "x"}
     target = {"model": {"w": torch.zeros(7, 3), "b": torch.zeros(4, dtype=torch.int64)}, "step": 0,
               "groups": [{"lr": 0.0}], "s": torch.tensor(0.0)}
     w = target["model"]["w"]

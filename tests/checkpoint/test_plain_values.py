@@ -147,7 +147,7 @@ def test_save_distributed_without_a_group_and_the_version_1_readers(tmp_path):
     plain = {"best": math.inf, "loss": math.nan, "loader": b"\x01\x02", "f32": np.float32(0.5), "big": 3**100}
     for rank in (1, 0):  # the same plain values on every rank: one save_id, whatever NaN does to equality
         save_distributed({"w": torch.arange(4.0)[2 * rank: 2 * rank + 2], **plain}, str(tmp_path / "ck"), rank, 2, spec)
-    assert read_metadata(str(tmp_path / "ck")).format_version == 2   # save_distributed writes version 2 now
+    assert read_metadata(str(tmp_path / "ck")).format_version == 3   # save_distributed writes version 3 now
     for back in (load_consolidated(str(tmp_path / "ck")), load_distributed(str(tmp_path / "ck"), 0, 3)):
         assert same({k: back[k] for k in plain}, plain)
     assert same(load_consolidated(str(tmp_path / "ck"), keys="loader"), {"loader": b"\x01\x02"})

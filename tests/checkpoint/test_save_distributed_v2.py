@@ -28,7 +28,7 @@ def test_the_last_rank_to_finish_commits_every_file(tmp_path, order):
         assert not (tmp_path / "metadata.json").exists()      # never before every rank's file is there
         _save(tmp_path, rank)
     meta = json.loads((tmp_path / "metadata.json").read_text())
-    assert meta["format_version"] == 2 and sorted(meta["files"]) == [f"rank_{r}.safetensors" for r in range(3)]
+    assert meta["format_version"] == 3 and sorted(meta["files"]) == [f"rank_{r}.safetensors" for r in range(3)]
     assert meta["tensor_specs"]["w"]["shard_dim"] == 0 and "shard_dim" not in meta["tensor_specs"]["b"]
     assert [c["file"] for c in meta["tensor_specs"]["w"]["chunks"]] == ["rank_0.safetensors", "rank_2.safetensors"]
     assert validate_distributed(tmp_path).ok
@@ -77,7 +77,7 @@ def test_reshard_of_a_version_1_checkpoint_writes_version_2(tmp_path):
     assert read_metadata(tmp_path / "v1").format_version == 1
     reshard_checkpoint(str(tmp_path / "v1"), str(tmp_path / "v2"), 3)
     m = read_metadata(tmp_path / "v2")
-    assert m.format_version == 2 and m.tensors["w"].split_dim == 1 and m.tensors["r"].split_dim is None
+    assert m.format_version == 3 and m.tensors["w"].split_dim == 1 and m.tensors["r"].split_dim is None
     assert [c.box.sizes[1] for c in m.tensors["w"].chunks] == [2, 2, 1]
     assert torch.equal(load_consolidated(tmp_path / "v2")["w"], full)
     assert torch.equal(load_distributed(tmp_path / "v2", 2, 3)["w"], full[:, 4:])

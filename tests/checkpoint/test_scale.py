@@ -51,8 +51,9 @@ BYTES_PER_TENSOR = 8
 def test_rank0_receives_bytes_linear_in_ranks_plus_tensors(rows, ranks, tensors):
     row = rows[(ranks, tensors)]
     assert row["rank0_recv_bytes"] <= BYTES_PER_RANK * ranks + BYTES_PER_TENSOR * (2 * tensors)
-    # Rank 0 receives less than the metadata.json it writes (ranks x tensors chunk records).
-    assert row["rank0_recv_bytes"] <= row["metadata_bytes"]
+    # Version 2 listed ranks x tensors chunk records, more than rank 0 received; version 3's grid entries
+    # keep metadata.json O(ranks + tensors) too (a file record per rank, a grid per tensor).
+    assert row["metadata_bytes"] <= BYTES_PER_RANK * ranks + 200 * tensors
 
 
 def test_rank0_receives_the_same_bytes_per_rank_whatever_the_tensors(rows):
@@ -64,7 +65,7 @@ def test_rank0_receives_the_same_bytes_per_rank_whatever_the_tensors(rows):
 
 def test_growth_against_ranks_times_tensors(rows):
     xs = [r * t for r, t in rows]
-    # Slope of log(column) on log(ranks x tensors): 1 is linear. metadata.json lists every chunk (linear);
+    # Slope of log(column) on log(ranks x tensors): 1 is linear. metadata.json (version 2 listed every chunk) is at most linear;
     # rank 0's traffic grows with ranks only, so over these rows its slope is far below 1 (~0.55).
     assert growth_exponent(xs, [row["metadata_bytes"] for row in rows.values()]) <= 1.15
     assert growth_exponent(xs, [row["rank0_recv_bytes"] for row in rows.values()]) <= 0.75

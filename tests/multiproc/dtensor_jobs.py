@@ -147,3 +147,10 @@ def train_loop_job(rank, world_size, root, first_step, last_step, save_every):
             if (step + 1) % save_every == 0:
                 mgr.save(step, {**state(model, optim), "step": step + 1})
     return resumed, losses
+
+
+def compact_save_job(rank, world_size, root, kinds):
+    """``save_job`` with every save's metadata in compact grid entries (``knobs.COMPACT_MIN_RANKS`` = 1)."""
+    from shardkit import knobs
+    knobs.COMPACT_MIN_RANKS = 1
+    return save_job(rank, world_size, root, kinds)

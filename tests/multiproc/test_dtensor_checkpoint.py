@@ -34,7 +34,7 @@ def test_fsdp2_4_ranks_loads_on_2_and_3_like_dcp(tmp_path):
         report = validate_distributed(tmp_path / kind / "shardkit")
         assert report.ok, str(report)
         meta = json.loads((tmp_path / kind / "shardkit" / "metadata.json").read_text())
-        assert meta["format_version"] == 2
+        assert meta["format_version"] == 3
         for name, spec in meta["tensor_specs"].items():
             boxes = [(tuple(c["offsets"]), tuple(c["sizes"])) for c in spec["chunks"]]
             assert len(boxes) == len(set(boxes)), (kind, name)       # each distinct box once

@@ -6,7 +6,7 @@ How it measures (``shardkit bench --only offline`` or
 last argument choosing among ``KINDS``):
 
 - the source checkpoints (a shardkit one saved by 4 ranks with
-  ``save_distributed``, so format version 2, a DCP one saved by 4 Gloo ranks;
+  ``save_distributed``, so format version 3, a DCP one saved by 4 Gloo ranks;
   16 float32 tensors) are built by a separate earlier process,
   so no measured process inherits the memory that built them;
 - every timed run is a fresh process that imports torch and the CLI, then

@@ -17,8 +17,8 @@ box is written once by one of the ranks that hold it, the writing spread
 across ranks. Plain tensors are replicated (written once); plain leaves go
 to ``metadata.json``. Rank and world size come from ``group`` (None: the
 default process group if initialised, else one process). The format is
-version 2 of ``metadata.json`` (``docs/format.md``): every tensor by its
-chunks, so any box layout reshards to any other. ``load`` also reads
+version 3 of ``metadata.json`` (``docs/format.md``): every tensor by its
+chunks (a compact grid where they form one), so any box layout reshards to any other. ``load`` also reads
 version-1 and seed-format checkpoints, PyTorch DCP checkpoints and Hugging Face
 ones (``checkpoint/load_source.py``), with name mapping, partial loads and casts.
 

@@ -4,7 +4,7 @@
 staging buffers (pinned host memory for CUDA tensors; non-blocking copies,
 then one synchronize per device) and returns a :class:`CheckpointFuture`
 at once; a background thread then writes the staged copy with
-:func:`shardkit.checkpoint.save_distributed`, i.e. format version 2 through
+:func:`shardkit.checkpoint.save_distributed`, i.e. format version 3 through
 the one write engine ``save`` and ``async_save`` use, on the one background
 engine they use (``api.start_background_work``: a non-daemon thread, saves
 on one group run in the order started). The checkpoint therefore holds the

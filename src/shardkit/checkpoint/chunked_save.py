@@ -1,4 +1,4 @@
-"""The chunked save (format version 2): prepare on the caller's thread, then write and commit.
+"""The chunked save (format version 3): prepare on the caller's thread, then write and commit.
 
 Steps (``docs/format.md``, invariants 1-3):
 
@@ -18,7 +18,10 @@ Steps (``docs/format.md``, invariants 1-3):
    none) and reports its file record and its header's digest; rank 0
    computes the whole plan and every file's byte ranges (``file_layout``),
    checks each reported file against them and writes ``metadata.json``
-   (version 2: every tensor by its chunks) last.
+   (version 3: each tensor a compact grid where its chunks form one, else
+   its chunk list; ``compact_manifest``) last. On the agreed path rank 0
+   plans grids straight from the description (``grid_plan``): its commit
+   work is O(tensors + ranks), not one object per chunk.
 
 Collectives: three rounds (prepare; lock and withdraw; write and commit),
 each one gather of the ranks' statuses to rank 0 and one broadcast of its
@@ -29,7 +32,8 @@ fallback adds an all-gather exchange (2 all-gathers).
 
 Rank 0 receives O(ranks + tensors) bytes per save on the agreed path (plus
 the ranks' ``rank_state`` plain leaves and block checksums, which grow with
-the user's data only); ``metadata.json`` itself lists every chunk. Step 2
+the user's data only); ``metadata.json`` lists a regular layout as one
+grid entry and only irregular ones chunk by chunk. Step 2
 issues collectives only on the coordinator it is given, so a background save
 runs it on a group of its own. With no coordinator (one process) there is
 nothing to agree on. This module does not stage tensors.
@@ -51,19 +55,22 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from shardkit import knobs
 from shardkit.checkpoint.chunk_plan import ChunkPlan, plan_chunks
 from shardkit.checkpoint.chunks import Chunk
+from shardkit.checkpoint.compact_manifest import GridChunks, grid_of_chunks
 from shardkit.checkpoint.compact_layout import Description, describe, own_boxes_agree, prediction_trusted
 from shardkit.checkpoint.dtensor_layout import local_box
 from shardkit.checkpoint.agreement import agree, attempt, describe as describe_error
 from shardkit.checkpoint.group import SLOT_BYTES, exchange
 from shardkit.checkpoint.manifest import (
-    CHUNKED_VERSION, METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_name,
+    COMPACT_VERSION, METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_name,
     write_json,
 )
 from shardkit.checkpoint.nested import flatten
 from shardkit.checkpoint.rank_state import check_reserved, rank_state_objects, rank_state_report
 from shardkit.checkpoint.spec import TensorShardSpec
+from shardkit.checkpoint.grid_plan import GridPlan, grid_plan
 from shardkit.checkpoint.writer_choice import full_plan, own_writes
 from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes, to_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
@@ -80,7 +87,7 @@ class Prepared:
 
     rank: int
     world_size: int
-    full_plan: Callable[[], ChunkPlan]    # every rank's writes (rank 0 calls it when it commits)
+    full_plan: Callable[[], ChunkPlan | GridPlan]    # every rank's writes (rank 0 calls it when it commits)
     to_write: dict[str, torch.Tensor]     # name -> the local tensor this rank writes
     objects: dict[str, Any]
     structure: Any
@@ -191,7 +198,7 @@ def prepare(state_dict, coordinator, rank: int, world_size: int, metadata=None, 
                     exc, "preparing the save", on_root=decide, slot_bytes=_LAYOUT_SLOT_BYTES)
     if compact:
         writes = own_writes(mine.desc, rank, world_size, mine.global_rank, mine.boxes)
-        plan_all = lambda: full_plan(mine.desc, at_root["global_ranks"], world_size)  # noqa: E731 - rank 0
+        plan_all = lambda: _agreed_plan(mine.desc, at_root["global_ranks"], world_size)  # noqa: E731 - rank 0
     else:
         reports = _all(coordinator, mine.report(), "exchanging every rank's boxes (the compact layouts differ)")
         plan = plan_chunks(reports, lambda d: itemsize_bytes(NAME_TO_DTYPE[d]))
@@ -200,6 +207,13 @@ def prepare(state_dict, coordinator, rank: int, world_size: int, metadata=None, 
     objects = {**mine.flat.objects, **at_root.get("objects", mine.rank_objects)}
     return Prepared(rank, world_size, plan_all, {n: mine.local[n] for n in writes}, objects,
                     mine.flat.structure, mine.user_metadata)
+
+
+def _agreed_plan(desc, global_ranks: list, world_size: int) -> ChunkPlan | GridPlan:
+    """Rank 0's plan of an agreed save: grids (O(tensors + ranks)) where ``knobs.COMPACT_MIN_RANKS`` asks
+    for compact entries and every layout is a grid by construction, else every box (O(chunks))."""
+    compact = grid_plan(desc, global_ranks, world_size) if world_size >= knobs.COMPACT_MIN_RANKS else None
+    return compact or full_plan(desc, global_ranks, world_size)
 
 
 def _file_metadata(rank: int, world_size: int) -> dict[str, str]:
@@ -212,12 +226,12 @@ def _header_digest(layout: FileLayout) -> str:
 
 def write_data_file(storage: Storage, directory: str, rank: int, world_size: int, named: list) -> dict:
     """Write ``rank_<rank>.safetensors`` holding ``named`` (``(name, tensor or LazyTensor)``, each the
-    tensor's chunk this rank writes); returns what the commit checks it by: ``{"record", "header"}``
-    (the file's record as JSON and its header's digest)."""
+    tensor's chunk this rank writes); returns what the commit checks it by: ``{"record", "header",
+    "data_start"}`` (the file's record as JSON, its header's digest and length: where its tensor data starts)."""
     metadata = _file_metadata(rank, world_size)
     record = write_safetensors(storage, storage.join(directory, data_file_name(rank)), named, metadata)
     layout = file_layout([(n, to_safetensors_name(t.dtype), tuple(t.shape)) for n, t in named], metadata)
-    return {"record": record.to_json(), "header": _header_digest(layout)}
+    return {"record": record.to_json(), "header": _header_digest(layout), "data_start": len(layout.header)}
 
 
 def _write_file(storage: Storage, directory: str, prep: Prepared) -> dict:
@@ -237,7 +251,7 @@ def _check_written(rank: int, layout: FileLayout, written: dict) -> FileRecord:
 
 
 def commit(storage: Storage, directory: str, prep: Prepared, written: list[dict]) -> None:
-    """Write ``metadata.json`` (version 2) for ``prep``'s whole plan, once every rank's file is written:
+    """Write ``metadata.json`` (version 3) for ``prep``'s whole plan, once every rank's file is written:
     ``written[r]`` is rank r's :func:`write_data_file` result, checked against the plan (``MetadataError``
     naming the rank whose file differs; nothing committed)."""
     with gc_paused():  # O(ranks x tensors) objects at once: no full collection in the middle
@@ -247,6 +261,8 @@ def commit(storage: Storage, directory: str, prep: Prepared, written: list[dict]
 
 def _manifest(prep: Prepared, written: list[dict]) -> Manifest:
     plan = prep.full_plan()
+    if isinstance(plan, GridPlan):
+        return _grid_manifest(prep, plan, written)
     held: list[list] = [[] for _ in range(prep.world_size)]
     for name, t in plan.tensors.items():
         for box, r in t.box_to_writer.items():
@@ -260,10 +276,37 @@ def _manifest(prep: Prepared, written: list[dict]) -> Manifest:
     for name, t in plan.tensors.items():
         chunks = tuple(Chunk(data_file_name(r), box.offsets, box.sizes, *ranges[r][name])
                        for box, r in sorted(t.box_to_writer.items(), key=lambda br: br[0].offsets))
-        tensors[name] = SavedTensor(TensorShardSpec(t.full_shape, None, ()), t.dtype, None, chunks,
-                                    prep.split_dims.get(name))
-    return Manifest(CHUNKED_VERSION, prep.world_size, tensors, files, prep.objects, prep.structure,
+        # Chosen automatically: a grid wherever the chunks form one (in saves of COMPACT_MIN_RANKS ranks or more).
+        grid = grid_of_chunks(t.full_shape, chunks) if prep.world_size >= knobs.COMPACT_MIN_RANKS else None
+        tensors[name] = SavedTensor(TensorShardSpec(t.full_shape, None, ()), t.dtype, None,
+                                    chunks if grid is None else GridChunks(grid), prep.split_dims.get(name))
+    return Manifest(COMPACT_VERSION, prep.world_size, tensors, files, prep.objects, prep.structure,
                     prep.user_metadata)
+
+
+def _grid_manifest(prep: Prepared, plan: GridPlan, written: list[dict]) -> Manifest:
+    """The manifest of an agreed save, every tensor a grid: O(tensors + ranks) (``grid_plan``)."""
+    files = {data_file_name(r): _check_sized(r, int(plan.data_bytes[r]), written[r]) for r in range(prep.world_size)}
+    tensors = {name: SavedTensor(TensorShardSpec(shape, None, ()), dtype, None,
+                                 () if grid is None else GridChunks(grid), prep.split_dims.get(name))
+               for name, (shape, dtype, grid) in plan.tensors.items()}
+    return Manifest(COMPACT_VERSION, prep.world_size, tensors, files, prep.objects, prep.structure,
+                    prep.user_metadata)
+
+
+def _check_sized(rank: int, data_bytes: int, written: dict) -> FileRecord:
+    """Rank ``rank``'s file record, checked to hold exactly the planned ``data_bytes`` after its header
+    (the header itself, each entry's name, shape and dtype, is checked by every load against the
+    metadata, and its byte ranges by ``validate``)."""
+    name = data_file_name(rank)
+    record = FileRecord.from_json(name, written["record"])
+    start = written.get("data_start")
+    if not isinstance(start, int) or start < 8 or record.bytes != start + data_bytes:
+        raise MetadataError(
+            f"rank {rank} wrote {name} of {record.bytes} bytes with its data starting at byte {start}, but the "
+            f"save's plan puts {data_bytes} bytes of tensor data in that file; the ranks planned different writes. "
+            f"Nothing was committed: report a bug with the state's layout")
+    return record
 
 
 def write_and_commit(prep: Prepared, storage: Storage, directory: str, coordinator,

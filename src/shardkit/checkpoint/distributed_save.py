@@ -1,4 +1,4 @@
-"""``save_distributed``: a ``shard_spec`` save, written as format version 2 by the one chunked engine.
+"""``save_distributed``: a ``shard_spec`` save, written as format version 3 by the one chunked engine.
 
 ``shard_spec`` (a :class:`TensorShardSpec` per sharded tensor: the dimension
 and one size per rank) gives every rank's box of every tensor, so each rank
@@ -93,7 +93,7 @@ class _Planned:
 @logged("save_distributed")
 def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=None, metadata=None,
                      overwrite: bool = False) -> None:
-    """Save this rank's part of ``state_dict`` into the checkpoint directory ``dir`` (format version 2).
+    """Save this rank's part of ``state_dict`` into the checkpoint directory ``dir`` (format version 3).
 
     ``state_dict`` may be nested; tensors named (by dotted path) in
     ``shard_spec`` are this rank's slices, every other tensor is replicated

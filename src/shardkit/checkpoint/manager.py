@@ -1,7 +1,7 @@
 """``CheckpointManager``: a run's checkpoints, one directory per step, complete ones only.
 
 ``root/step-<n>/`` holds the checkpoint of step ``n`` (written by
-:func:`~shardkit.checkpoint.save`'s engine, format version 2). Rules:
+:func:`~shardkit.checkpoint.save`'s engine, format version 3). Rules:
 
 - **Complete only**: a step counts once its ``metadata.json`` is committed
   and every data file it records exists with the recorded size; steps are

@@ -25,11 +25,13 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit import knobs
 from shardkit.checkpoint.chunks import Chunk, chunks_to_json, parse_chunks
+from shardkit.checkpoint.compact_manifest import GridChunks, grid_to_json, parse_grid
 from shardkit.checkpoint.nested import check_structure
 from shardkit.checkpoint.rank_state import is_rank_state_name
 from shardkit.checkpoint.spec import TensorShardSpec, check_spec
@@ -60,7 +62,8 @@ FORMAT = "shardkit.distributed"
 RANK_FORMAT = "shardkit.distributed.rank"
 FORMAT_VERSION = 1
 CHUNKED_VERSION = 2          # every tensor described by its chunks (checkpoint/chunks.py, docs/format.md)
-SUPPORTED_VERSIONS = (1, 2)
+COMPACT_VERSION = 3          # what writers write: a grid entry for a regular layout, else chunks (compact_manifest.py)
+SUPPORTED_VERSIONS = (1, 2, 3)
 METADATA_FILE = "metadata.json"
 
 
@@ -76,7 +79,9 @@ def rank_manifest_name(rank: int) -> str:
 class SavedTensor:
     """A saved tensor: its layout, dtype name (None in seed format: read the header) and owner.
 
-    Version 2 tensors carry ``chunks`` (their spec is then the full shape, replicated); older
+    Version 2 and 3 tensors carry ``chunks`` (their spec is then the full shape, replicated): a
+    tuple of :class:`Chunk` (the general list) or a :class:`GridChunks` (version 3's compact grid
+    entry; the same sequence interface, plus ``overlapping(box)`` without expanding it); older
     ones are upgraded to chunks by ``plan.saved_chunks``. ``split_dim`` (version 2, optional):
     the dimension a ``shard_spec`` save split the tensor along (``plan.split_spec``).
     """
@@ -84,7 +89,7 @@ class SavedTensor:
     spec: TensorShardSpec
     dtype: str | None
     owner_rank: int | None = None
-    chunks: tuple[Chunk, ...] | None = None
+    chunks: tuple[Chunk, ...] | GridChunks | None = None
     split_dim: int | None = None
 
 
@@ -125,12 +130,19 @@ def manifest_to_json(m: Manifest) -> dict:
     }
 
 
+def _chunks_json(chunks) -> dict:
+    """A version-3 tensor's layout: ``{"grid": ...}`` for a :class:`GridChunks`, else ``{"chunks": [...]}``."""
+    if isinstance(chunks, GridChunks):
+        return {"grid": grid_to_json(chunks.grid)}
+    return {"chunks": chunks_to_json(chunks)}
+
+
 def _chunked_to_json(m: Manifest) -> dict:
-    specs = {name: {"full_shape": list(t.spec.full_shape), "dtype": t.dtype, "chunks": chunks_to_json(t.chunks),
+    specs = {name: {"full_shape": list(t.spec.full_shape), "dtype": t.dtype, **_chunks_json(t.chunks),
                     **({"shard_dim": t.split_dim} if t.split_dim is not None else {})}
              for name, t in m.tensors.items()}
     return {
-        "format": FORMAT, "format_version": CHUNKED_VERSION, "num_ranks": m.num_ranks,
+        "format": FORMAT, "format_version": COMPACT_VERSION, "num_ranks": m.num_ranks,
         "tensor_specs": specs, "files": {f: r.to_json() for f, r in sorted(m.files.items())},
         "objects": encode_objects(m.objects), "structure": m.structure, "user_metadata": m.user_metadata,
     }
@@ -195,6 +207,7 @@ def parse_manifest(source: str, data: bytes) -> Manifest:
     raw_specs = expect_dict(obj.get("tensor_specs"), f"{source}: tensor_specs")
     tensors = {expect_str(name, f"{source}: a tensor name"): _saved_tensor(source, name, raw, num_ranks, version)
                for name, raw in raw_specs.items()}
+    _check_grid_cells(source, tensors)
     files = {check_relative_name(f, (".safetensors",), source=source): FileRecord.from_json(f, r)
              for f, r in expect_dict(obj.get("files") or {}, f"{source}: files").items()}
     objects = {name: decode_value(raw, f"{source}: object {short_repr(name)}")
@@ -212,6 +225,13 @@ def parse_manifest(source: str, data: bytes) -> Manifest:
 
 
 _FIX = "The file is corrupt or not a shardkit checkpoint: load an earlier checkpoint."
+
+
+def _check_grid_cells(source: str, tensors: dict[str, SavedTensor]) -> None:
+    cells = sum(math.prod(t.chunks.grid.counts) for t in tensors.values() if isinstance(t.chunks, GridChunks))
+    if cells > knobs.MAX_GRID_CELLS:
+        raise MetadataError(f"{source}'s grid entries have {cells:,} cells in all, more than "
+                            f"knobs.MAX_GRID_CELLS ({knobs.MAX_GRID_CELLS:,}). {_FIX}")
 
 
 def _load_json(source: str, data: bytes) -> Any:
@@ -235,8 +255,8 @@ def _check_version(source: str, obj: dict, expected_format: str) -> int | None:
 def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int | None) -> SavedTensor:
     what = f"{source}: tensor {short_repr(name)}"
     raw = expect_dict(raw, what)
-    if version == CHUNKED_VERSION:
-        return _chunked_tensor(source, name, raw, num_ranks)
+    if version in (CHUNKED_VERSION, COMPACT_VERSION):
+        return _chunked_tensor(source, name, raw, num_ranks, version)
     shape = expect_list(raw.get("full_shape"), f"{what}: full_shape", max_items=knobs.MAX_TENSOR_NDIM)
     full_shape = tuple(expect_int(d, f"{what}: full_shape[{i}]") for i, d in enumerate(shape))
     shard_dim = raw.get("shard_dim")
@@ -259,7 +279,7 @@ def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int
     return SavedTensor(spec, dtype, owner if spec.shard_dim is None else None)
 
 
-def _chunked_tensor(source: str, name: str, raw: dict, num_ranks: int) -> SavedTensor:
+def _chunked_tensor(source: str, name: str, raw: dict, num_ranks: int, version: int) -> SavedTensor:
     what = f"{source}: tensor {short_repr(name)}"
     shape = expect_list(raw.get("full_shape"), f"{what}: full_shape", max_items=knobs.MAX_TENSOR_NDIM)
     spec = TensorShardSpec(tuple(expect_int(d, f"{what}: full_shape[{i}]") for i, d in enumerate(shape)), None, ())
@@ -267,8 +287,13 @@ def _chunked_tensor(source: str, name: str, raw: dict, num_ranks: int) -> SavedT
     dtype = raw.get("dtype")
     if not isinstance(dtype, str) or dtype not in NAME_TO_DTYPE:
         raise MetadataError(f"{what} has dtype {short_repr(dtype)}; known: {', '.join(NAME_TO_DTYPE)}")
-    chunks = parse_chunks(source, name, raw.get("chunks"), spec.full_shape, itemsize_bytes(NAME_TO_DTYPE[dtype]),
-                          lambda f: _data_file(source, f, num_ranks))
+    if version == COMPACT_VERSION and "grid" in raw:
+        if "chunks" in raw:
+            raise MetadataError(f"{what} has both a grid and chunks; a tensor is described by one of them. {_FIX}")
+        chunks = parse_grid(source, name, raw["grid"], spec.full_shape, num_ranks)
+    else:
+        chunks = parse_chunks(source, name, raw.get("chunks"), spec.full_shape,
+                              itemsize_bytes(NAME_TO_DTYPE[dtype]), lambda f: _data_file(source, f, num_ranks))
     split_dim = raw.get("shard_dim")
     if split_dim is not None:
         split_dim = expect_int(split_dim, f"{what}: shard_dim", high=max(0, len(spec.full_shape) - 1))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Container, Iterator, Mapping
 
 from shardkit.checkpoint.chunk_plan import ChunkedTensor, ChunkPlan
+from shardkit.checkpoint.compact_manifest import GridChunks
 from shardkit.checkpoint.manifest import SavedTensor, data_file_name
 from shardkit.checkpoint.spec import TensorShardSpec
 from shardkit.checkpoint.writer_choice import spread_by_bytes
@@ -203,8 +204,12 @@ def overlapping_saved_chunks(saved: SavedTensor, box: Box) -> list[tuple[str, Bo
     """``(file, chunk box, overlap)`` for every saved chunk of a tensor that shares an element with ``box``.
 
     Sharded tensors: the ranks whose slices meet the box along the shard
-    dimension are found by bisection, so a load touches only those ranks.
+    dimension are found by bisection, so a load touches only those ranks;
+    a version-3 grid entry finds its cells the same way, per dimension,
+    without expanding its chunks.
     """
+    if isinstance(saved.chunks, GridChunks):
+        return saved.chunks.overlapping(box)
     spec = saved.spec
     if spec.shard_dim is None:
         chunks = saved_chunks(saved)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from shardkit import knobs
 from shardkit.checkpoint.logs import logged
 from shardkit.checkpoint.manifest import Manifest, data_file_name, file_records
+from shardkit.checkpoint.compact_manifest import GridChunks, derived_ranges
 from shardkit.checkpoint.plan import chunks_by_file
 from shardkit.checkpoint.read_path import open_checkpoint
 from shardkit.errors import CheckpointError
@@ -168,6 +169,9 @@ def _check_bytes(reader: Reader, name: str, record: FileRecord, problems: list[s
 
 def _check_header(name: str, rank: int, header: SafetensorsHeader, m: Manifest,
                   chunks: list[tuple[str, Box]], problems: list[str], dtypes: dict) -> None:
+    derived = {}   # version-3 grid entries store no byte ranges: they follow from what the file holds
+    if any(isinstance(m.tensors[t].chunks, GridChunks) for t, _ in chunks):
+        derived = derived_ranges([(t, m.tensors[t].dtype, box.sizes) for t, box in chunks], header.data_start)
     for tensor_name, chunk in chunks:
         saved = m.tensors[tensor_name]
         entry = header.tensors.get(tensor_name)
@@ -177,7 +181,8 @@ def _check_header(name: str, rank: int, header: SafetensorsHeader, m: Manifest,
         if tuple(entry.shape) != tuple(chunk.sizes):
             problems.append(f"{name}: tensor {tensor_name!r} has shape {list(entry.shape)}, metadata.json "
                             f"gives rank {rank} the shape {list(chunk.sizes)}")
-        byte_range = next(((c.begin, c.end) for c in saved.chunks or () if c.file == name), None)
+        byte_range = derived.get(tensor_name) if isinstance(saved.chunks, GridChunks) else \
+            next(((c.begin, c.end) for c in saved.chunks or () if c.file == name), None)
         if byte_range is not None and byte_range != (entry.begin, entry.end):
             problems.append(f"{name}: tensor {tensor_name!r} is at bytes {entry.begin}..{entry.end}, metadata.json "
                             f"records {byte_range[0]}..{byte_range[1]}")

@@ -36,7 +36,7 @@ from shardkit.checkpoint.compact_layout import Description, TensorLayout, coordi
 from shardkit.errors import MetadataError
 from shardkit.layout import Box
 
-__all__ = ["own_writes", "full_plan", "plain_writers", "spread_by_bytes", "replica_turns"]
+__all__ = ["own_writes", "full_plan", "plain_writers", "spread_by_bytes", "replica_turns", "writer_coordinate"]
 
 
 def plain_writers(desc: Description, world_size: int) -> dict[str, int]:
@@ -83,7 +83,7 @@ def _split(t: TensorLayout, mesh_shape, coordinate) -> tuple[int, int, int]:
     return shard, replica, replicas
 
 
-def _writer_coordinate(t: TensorLayout, mesh_shape, shard_coordinate, turn: int) -> tuple[int, ...]:
+def writer_coordinate(t: TensorLayout, mesh_shape, shard_coordinate, turn: int) -> tuple[int, ...]:
     shard, _, replicas = _split(t, mesh_shape, shard_coordinate)
     replica = (turn + shard) % replicas
     out = list(shard_coordinate)
@@ -117,8 +117,10 @@ def own_writes(desc: Description, rank: int, world_size: int, global_rank: int |
     return out
 
 
-def full_plan(desc: Description, global_ranks: list[int | None], world_size: int) -> ChunkPlan:
-    """Every distinct non-empty box of every tensor with its writer, and what each rank writes.
+def full_plan(desc: Description, global_ranks: list[int | None], world_size: int,
+              names: list[str] | None = None) -> ChunkPlan:
+    """Every distinct non-empty box of every tensor (of ``names`` only, when given) with its writer, and
+    what each rank writes.
 
     Raises :class:`MetadataError` if the boxes do not tile a tensor or one box is predicted twice
     (never for a layout ``prediction_trusted`` accepted)."""
@@ -130,6 +132,8 @@ def full_plan(desc: Description, global_ranks: list[int | None], world_size: int
     turns = replica_turns(desc)
     tensors, writes = {}, [[] for _ in range(world_size)]
     for name, t in desc.tensors.items():
+        if names is not None and name not in names:
+            continue
         chosen = _chosen(desc, name, t, plain, turns, by_global, world_size)
         check_tiling(name, t.full_shape, chosen)
         tensors[name] = ChunkedTensor(t.full_shape, t.dtype, chosen)
@@ -155,5 +159,5 @@ def _chosen(desc: Description, name: str, t: TensorLayout, plain, turns, by_glob
         if box in chosen:
             raise MetadataError(f"tensor {name!r}: two mesh coordinates are predicted to hold the box at "
                                 f"{list(box.offsets)}; its layout {t.codes} cannot be planned from the prediction")
-        chosen[box] = by_global[mesh.global_rank(_writer_coordinate(t, mesh.shape, c, turns[name]))]
+        chosen[box] = by_global[mesh.global_rank(writer_coordinate(t, mesh.shape, c, turns[name]))]
     return chosen

@@ -33,12 +33,13 @@ def register(sub) -> None:
 
 
 def _row(name: str, saved) -> dict:
+    from shardkit.checkpoint.compact_manifest import GridChunks
     from shardkit.dtypes import NAME_TO_DTYPE
 
     spec = saved.spec
     split = "replicated" if spec.shard_dim is None else f"dim {spec.shard_dim}: {list(spec.shard_sizes)}"
     if saved.chunks is not None:
-        split = f"{len(saved.chunks)} chunk(s)"
+        split = f"{len(saved.chunks)} chunk(s)" + (", a grid" if isinstance(saved.chunks, GridChunks) else "")
     itemsize = NAME_TO_DTYPE[saved.dtype].itemsize if saved.dtype in NAME_TO_DTYPE else None
     nbytes = math.prod(spec.full_shape) * itemsize if itemsize is not None else None
     owner = saved.owner_rank
