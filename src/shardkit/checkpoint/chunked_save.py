@@ -57,6 +57,7 @@ from shardkit.checkpoint.compact_layout import Description, describe, own_boxes_
 from shardkit.checkpoint.dtensor_layout import local_box
 from shardkit.checkpoint.agreement import agree, attempt, describe as describe_error
 from shardkit.checkpoint.group import SLOT_BYTES, exchange
+from shardkit.checkpoint.incremental import read_base, unchanged_chunks, used_bases
 from shardkit.checkpoint.manifest import (
     CHUNKED_VERSION, METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_name,
     write_json,
@@ -86,6 +87,9 @@ class Prepared:
     structure: Any
     user_metadata: dict
     split_dims: dict[str, int] = field(default_factory=dict)   # name -> shard_spec dimension (save_distributed)
+    boxes: dict[str, tuple] = field(default_factory=dict)   # name -> (full shape, this rank's Box) of to_write
+    base_dir: str | None = None      # incremental save: the sibling checkpoint unchanged chunks are referenced in
+    base_view: Any = None            # its BaseView, read by the writing step (incremental.read_base)
 
 
 _WITHDRAW_STEP = "locking the directory and withdrawing the previous metadata"
@@ -198,8 +202,9 @@ def prepare(state_dict, coordinator, rank: int, world_size: int, metadata=None, 
         writes, plan_all = plan.writes[rank], lambda: plan
     # Every rank's plain per-rank leaves reach rank 0 only, which alone writes metadata.json.
     objects = {**mine.flat.objects, **at_root.get("objects", mine.rank_objects)}
+    boxes = {n: (tuple(mine.desc.tensors[n].full_shape), mine.boxes[n]) for n in writes if n in mine.desc.tensors}
     return Prepared(rank, world_size, plan_all, {n: mine.local[n] for n in writes}, objects,
-                    mine.flat.structure, mine.user_metadata)
+                    mine.flat.structure, mine.user_metadata, boxes=boxes)
 
 
 def _file_metadata(rank: int, world_size: int) -> dict[str, str]:
@@ -221,7 +226,15 @@ def write_data_file(storage: Storage, directory: str, rank: int, world_size: int
 
 
 def _write_file(storage: Storage, directory: str, prep: Prepared) -> dict:
-    return write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()))
+    """Write this rank's file; with a base, only the chunks whose bytes differ from the base's (the
+    others are reported as ``refs``: ``name -> [file key, begin, end]``, for the commit)."""
+    if prep.base_dir is None:
+        return write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()))
+    prep.base_view = view = read_base(storage, directory, prep.base_dir)
+    refs = unchanged_chunks(storage, directory, view, prep.boxes, prep.to_write)
+    named = [(n, t) for n, t in prep.to_write.items() if n not in refs]
+    written = write_data_file(storage, directory, prep.rank, prep.world_size, named)
+    return {**written, "refs": refs, "base": view.save_id}
 
 
 def _check_written(rank: int, layout: FileLayout, written: dict) -> FileRecord:
@@ -247,23 +260,42 @@ def commit(storage: Storage, directory: str, prep: Prepared, written: list[dict]
 
 def _manifest(prep: Prepared, written: list[dict]) -> Manifest:
     plan = prep.full_plan()
+    refs = _references(prep, written)
     held: list[list] = [[] for _ in range(prep.world_size)]
     for name, t in plan.tensors.items():
         for box, r in t.box_to_writer.items():
-            held[r].append((name, t.dtype, box.sizes))
+            if name not in refs[r]:
+                held[r].append((name, t.dtype, box.sizes))
     files, ranges = {}, []
     for r in range(prep.world_size):
         layout = file_layout(held[r], _file_metadata(r, prep.world_size))
         files[data_file_name(r)] = _check_written(r, layout, written[r])
-        ranges.append({e.name: (e.begin, e.end) for e in layout.entries})
+        ranges.append({e.name: (data_file_name(r), e.begin, e.end) for e in layout.entries})
+        ranges[r].update({n: tuple(ref) for n, ref in refs[r].items()})
     tensors = {}
     for name, t in plan.tensors.items():
-        chunks = tuple(Chunk(data_file_name(r), box.offsets, box.sizes, *ranges[r][name])
+        chunks = tuple(Chunk(*ranges[r][name][:1], box.offsets, box.sizes, *ranges[r][name][1:])
                        for box, r in sorted(t.box_to_writer.items(), key=lambda br: br[0].offsets))
         tensors[name] = SavedTensor(TensorShardSpec(t.full_shape, None, ()), t.dtype, None, chunks,
                                     prep.split_dims.get(name))
+    keys = {ref[0] for r in refs for ref in r.values()}
+    bases = used_bases(prep.base_view, keys) if keys else []
+    files.update({k: prep.base_view.records[k] for k in sorted(keys)})
     return Manifest(CHUNKED_VERSION, prep.world_size, tensors, files, prep.objects, prep.structure,
-                    prep.user_metadata)
+                    prep.user_metadata, bases=bases)
+
+
+def _references(prep: Prepared, written: list[dict]) -> list[dict[str, list]]:
+    """Each rank's referenced chunks (``name -> [key, begin, end]``), checked: every rank compared
+    against the base rank 0 read (``MetadataError`` otherwise; nothing committed)."""
+    refs = [w.get("refs") or {} for w in written]
+    if any(refs):
+        ids = {w.get("base") for w in written}
+        if prep.base_view is None or ids != {prep.base_view.save_id}:
+            raise MetadataError(f"the ranks of an incremental save compared their chunks against different "
+                                f"versions of the base {prep.base_dir} ({sorted(map(str, ids))}): it changed "
+                                f"during the save. Nothing was committed; save again")
+    return refs
 
 
 def write_and_commit(prep: Prepared, storage: Storage, directory: str, coordinator,

@@ -17,6 +17,7 @@ import re
 from typing import Callable
 
 from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
+from shardkit.checkpoint.references import data_path
 from shardkit.checkpoint.ownership import foreign_names, is_own_name, sample_names
 from shardkit.errors import IncompleteCheckpointError, MetadataError
 from shardkit.storage import Storage, is_temp_name
@@ -136,6 +137,6 @@ def own_step_complete(storage: Storage, path: str) -> bool:
     try:
         m = read_manifest(storage, path)
         records = file_records(storage, path, m)
-        return all(storage.size_bytes(storage.join(path, f)) == r.bytes for f, r in records.items())
+        return all(storage.size_bytes(data_path(storage, path, f)) == r.bytes for f, r in records.items())
     except NOT_COMPLETE:
         return False

@@ -32,6 +32,7 @@ from shardkit import knobs
 from shardkit.checkpoint.chunks import Chunk, chunks_to_json, parse_chunks
 from shardkit.checkpoint.nested import check_structure
 from shardkit.checkpoint.rank_state import is_rank_state_name
+from shardkit.checkpoint.references import Base, base_key, check_base_name, split_key
 from shardkit.checkpoint.spec import TensorShardSpec, check_spec
 from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError, TensorMismatchError
@@ -60,7 +61,8 @@ FORMAT = "shardkit.distributed"
 RANK_FORMAT = "shardkit.distributed.rank"
 FORMAT_VERSION = 1
 CHUNKED_VERSION = 2          # every tensor described by its chunks (checkpoint/chunks.py, docs/format.md)
-SUPPORTED_VERSIONS = (1, 2)
+REFERENCES_VERSION = 3       # chunks may name a base checkpoint's file (incremental saves, references.py)
+SUPPORTED_VERSIONS = (1, 2, 3)
 METADATA_FILE = "metadata.json"
 
 
@@ -105,6 +107,11 @@ class Manifest:
     structure: Any = None
     user_metadata: dict = field(default_factory=dict)
     save_id: str | None = None   # ties rank manifests to this metadata.json (saves without a group)
+    bases: list[Base] = field(default_factory=list)  # version 3: the siblings whose files chunks reference
+
+    def base_dirs(self) -> set[str]:
+        """The sibling directories this checkpoint reads chunks from (empty for a self-contained one)."""
+        return {b.dir for b in self.bases}
 
 
 def manifest_to_json(m: Manifest) -> dict:
@@ -126,14 +133,23 @@ def manifest_to_json(m: Manifest) -> dict:
 
 
 def _chunked_to_json(m: Manifest) -> dict:
-    specs = {name: {"full_shape": list(t.spec.full_shape), "dtype": t.dtype, "chunks": chunks_to_json(t.chunks),
+    index = {b.dir: i for i, b in enumerate(m.bases)}
+    specs = {name: {"full_shape": list(t.spec.full_shape), "dtype": t.dtype,
+                    "chunks": chunks_to_json(t.chunks, index),
                     **({"shard_dim": t.split_dim} if t.split_dim is not None else {})}
              for name, t in m.tensors.items()}
-    return {
-        "format": FORMAT, "format_version": CHUNKED_VERSION, "num_ranks": m.num_ranks,
-        "tensor_specs": specs, "files": {f: r.to_json() for f, r in sorted(m.files.items())},
+    own = {f: r.to_json() for f, r in sorted(m.files.items()) if "/" not in f}
+    out = {
+        "format": FORMAT, "format_version": REFERENCES_VERSION if m.bases else CHUNKED_VERSION,
+        "num_ranks": m.num_ranks, "tensor_specs": specs, "files": own,
         "objects": encode_objects(m.objects), "structure": m.structure, "user_metadata": m.user_metadata,
     }
+    if m.bases:
+        out["bases"] = [{"dir": b.dir, "save_id": b.save_id,
+                         "files": {split_key(f)[1]: r.to_json() for f, r in sorted(m.files.items())
+                                   if split_key(f)[0] == b.dir}}
+                        for b in m.bases]
+    return out
 
 
 def write_json(storage: Storage, path: str, obj: Any) -> None:
@@ -193,10 +209,15 @@ def parse_manifest(source: str, data: bytes) -> Manifest:
     version = _check_version(source, obj, FORMAT)
     num_ranks = expect_int(obj.get("num_ranks"), f"{source}: num_ranks", low=1, high=knobs.MAX_NUM_RANKS)
     raw_specs = expect_dict(obj.get("tensor_specs"), f"{source}: tensor_specs")
-    tensors = {expect_str(name, f"{source}: a tensor name"): _saved_tensor(source, name, raw, num_ranks, version)
-               for name, raw in raw_specs.items()}
     files = {check_relative_name(f, (".safetensors",), source=source): FileRecord.from_json(f, r)
              for f, r in expect_dict(obj.get("files") or {}, f"{source}: files").items()}
+    if any("/" in f for f in files):
+        raise MetadataError(f"{source}: files names {sorted(f for f in files if '/' in f)[:3]}; a checkpoint's own "
+                            f"data files are plain names (a base's files are listed under bases)")
+    bases = _parse_bases(source, obj.get("bases"), version, files)
+    tensors = {expect_str(name, f"{source}: a tensor name"):
+               _saved_tensor(source, name, raw, num_ranks, version, bases, files)
+               for name, raw in raw_specs.items()}
     objects = {name: decode_value(raw, f"{source}: object {short_repr(name)}")
                for name, raw in expect_dict(obj.get("objects") or {}, f"{source}: objects").items()}
     user_metadata = expect_dict(obj.get("user_metadata") or {}, f"{source}: user_metadata")
@@ -208,7 +229,31 @@ def parse_manifest(source: str, data: bytes) -> Manifest:
     save_id = obj.get("save_id")
     if save_id is not None:
         expect_str(save_id, f"{source}: save_id")
-    return Manifest(version, num_ranks, tensors, files, objects, structure, user_metadata, save_id)
+    return Manifest(version, num_ranks, tensors, files, objects, structure, user_metadata, save_id, bases)
+
+
+def _parse_bases(source: str, raw: Any, version: int | None, files: dict[str, FileRecord]) -> list[Base]:
+    """Version 3's ``bases`` (each sibling's name, ``save_id`` and file records); the records go into
+    ``files`` under their keys (``"<dir>/<file>"``), so every referenced byte is verified like an own one."""
+    if raw is None:
+        return []
+    if version != REFERENCES_VERSION:
+        raise MetadataError(f"{source} has bases but format_version {version}; references need version "
+                            f"{REFERENCES_VERSION}. {_FIX}")
+    bases = []
+    for i, entry in enumerate(expect_list(raw, f"{source}: bases", max_items=knobs.MAX_NUM_RANKS)):
+        what = f"{source}: bases[{i}]"
+        entry = expect_dict(entry, what)
+        base_dir = check_base_name(entry.get("dir"), what)
+        if base_dir in {b.dir for b in bases}:
+            raise MetadataError(f"{what} names {base_dir!r} a second time. {_FIX}")
+        bases.append(Base(base_dir, expect_str(entry.get("save_id"), f"{what}: save_id")))
+        for f, r in expect_dict(entry.get("files") or {}, f"{what}: files").items():
+            name = check_relative_name(f, (".safetensors",), source=what)
+            if "/" in name:
+                raise MetadataError(f"{what} lists the file {name!r}; a base's files are plain names. {_FIX}")
+            files[base_key(base_dir, name)] = FileRecord.from_json(f, r)
+    return bases
 
 
 _FIX = "The file is corrupt or not a shardkit checkpoint: load an earlier checkpoint."
@@ -232,11 +277,12 @@ def _check_version(source: str, obj: dict, expected_format: str) -> int | None:
     return version
 
 
-def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int | None) -> SavedTensor:
+def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int | None, bases: list[Base],
+                  files: dict[str, FileRecord]) -> SavedTensor:
     what = f"{source}: tensor {short_repr(name)}"
     raw = expect_dict(raw, what)
-    if version == CHUNKED_VERSION:
-        return _chunked_tensor(source, name, raw, num_ranks)
+    if version in (CHUNKED_VERSION, REFERENCES_VERSION):
+        return _chunked_tensor(source, name, raw, num_ranks, bases, files)
     shape = expect_list(raw.get("full_shape"), f"{what}: full_shape", max_items=knobs.MAX_TENSOR_NDIM)
     full_shape = tuple(expect_int(d, f"{what}: full_shape[{i}]") for i, d in enumerate(shape))
     shard_dim = raw.get("shard_dim")
@@ -259,7 +305,8 @@ def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int
     return SavedTensor(spec, dtype, owner if spec.shard_dim is None else None)
 
 
-def _chunked_tensor(source: str, name: str, raw: dict, num_ranks: int) -> SavedTensor:
+def _chunked_tensor(source: str, name: str, raw: dict, num_ranks: int, bases: list[Base],
+                    files: dict[str, FileRecord]) -> SavedTensor:
     what = f"{source}: tensor {short_repr(name)}"
     shape = expect_list(raw.get("full_shape"), f"{what}: full_shape", max_items=knobs.MAX_TENSOR_NDIM)
     spec = TensorShardSpec(tuple(expect_int(d, f"{what}: full_shape[{i}]") for i, d in enumerate(shape)), None, ())
@@ -268,13 +315,28 @@ def _chunked_tensor(source: str, name: str, raw: dict, num_ranks: int) -> SavedT
     if not isinstance(dtype, str) or dtype not in NAME_TO_DTYPE:
         raise MetadataError(f"{what} has dtype {short_repr(dtype)}; known: {', '.join(NAME_TO_DTYPE)}")
     chunks = parse_chunks(source, name, raw.get("chunks"), spec.full_shape, itemsize_bytes(NAME_TO_DTYPE[dtype]),
-                          lambda f: _data_file(source, f, num_ranks))
+                          lambda f, base: _chunk_file(source, f, base, num_ranks, bases, files))
     split_dim = raw.get("shard_dim")
     if split_dim is not None:
         split_dim = expect_int(split_dim, f"{what}: shard_dim", high=max(0, len(spec.full_shape) - 1))
         if not spec.full_shape:
             raise MetadataError(f"{what} is a scalar but has shard_dim {split_dim}. {_FIX}")
     return SavedTensor(spec, dtype, None, chunks, split_dim)
+
+
+def _chunk_file(source: str, file: Any, base: Any, num_ranks: int, bases: list[Base],
+                files: dict[str, FileRecord]) -> str:
+    """The key of a chunk's file: its own ``rank_<r>.safetensors``, or ``"<dir>/<file>"`` for ``"base": i``."""
+    if base is None:
+        return _data_file(source, file, num_ranks)
+    if isinstance(base, bool) or not isinstance(base, int) or not 0 <= base < len(bases):
+        raise MetadataError(f"{source} places a chunk in base {short_repr(base)}; the file lists "
+                            f"{len(bases)} bases (indexes 0..{len(bases) - 1}). {_FIX}")
+    key = base_key(bases[base].dir, check_relative_name(file, (".safetensors",), source=source))
+    if key not in files:
+        raise MetadataError(f"{source} places a chunk in {file!r} of base {bases[base].dir!r}, which its bases "
+                            f"entry does not record. {_FIX}")
+    return key
 
 
 def _data_file(source: str, file: Any, num_ranks: int) -> str:

@@ -154,6 +154,7 @@ def chunk_split_dim(saved: SavedTensor) -> int | None:
 
 
 def _file_rank(file: str) -> int:
+    file = file.rsplit("/", 1)[-1]   # a base's file (version 3) is keyed "<dir>/rank_<r>.safetensors"
     return int(file[len("rank_"):-len(".safetensors")])   # manifest.parse_manifest checked the name
 
 

@@ -1,0 +1,181 @@
+"""Incremental saves: read the base checkpoint, and prove which chunks are unchanged since it.
+
+A chunk this rank writes is *unchanged* when the base stores a chunk of the
+same tensor with the same box, dtype and full shape, and the bytes the base
+file holds there are equal, byte for byte, to the bytes about to be written
+(compared through a map of the file, a piece at a time, stopping at the first
+difference). Nothing weaker counts: no hash, no version counter, no
+``requires_grad`` flag. An unchanged chunk is then referenced, not written:
+its entry names the file that really holds the bytes (the base's own file,
+or, the chain flattened, the file the base itself references), with that
+file's record (size, block checksums) copied, so loads verify it as any
+other. What it does not do: split a changed chunk into bands (a chunk is
+written whole or referenced whole), write files, or decide which base (the
+caller names it; ``CheckpointManager(incremental=True)`` takes its newest
+complete step).
+
+Example::
+
+    view = read_base(store, "/ckpt/step-20", "/ckpt/step-10")
+    refs = unchanged_chunks(store, "/ckpt/step-20", view, {"w": (full_shape, box)}, {"w": w})
+    # {"w": ["step-0/rank_0.safetensors", 80, 4176]} where w's bytes equal step 0's
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shardkit import knobs
+from shardkit.checkpoint.manifest import METADATA_FILE, Manifest, file_records, parse_manifest
+from shardkit.checkpoint.references import Base, base_key, data_path, metadata_save_id, parent_dir, split_key
+from shardkit.dtypes import to_safetensors_name
+from shardkit.errors import MetadataError, MissingShardError
+from shardkit.layout import Box
+from shardkit.storage import FileRecord, Reader, Storage, storage_for
+
+__all__ = ["BaseView", "read_base", "check_sibling", "unchanged_chunks", "used_bases", "base_directory",
+           "COMPARE_PIECE_BYTES"]
+
+#: Bytes compared at a time: a changed chunk costs one piece of reading, not the whole chunk.
+COMPARE_PIECE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class BaseView:
+    """The base of an incremental save, as the new checkpoint sees it.
+
+    ``records`` and ``chunks`` are keyed as the new checkpoint names files
+    (``"<sibling>/<file>"``); ``bases`` are every sibling those keys may name,
+    with the identity each must keep (the base itself and the bases it
+    references)."""
+
+    name: str
+    save_id: str
+    manifest: Manifest
+    records: dict[str, FileRecord]
+    bases: dict[str, Base]
+
+    def key_of(self, base_file_key: str) -> str:
+        """A file key of the base's manifest, as seen from the new checkpoint (chains flattened)."""
+        return base_file_key if "/" in base_file_key else base_key(self.name, base_file_key)
+
+
+def check_sibling(storage: Storage, directory: str, base_directory: str) -> str:
+    """The name of ``base_directory`` if it is a sibling of ``directory`` (same parent, another name),
+    else :class:`MetadataError`: references name a base relative to the checkpoint's parent."""
+    name = base_directory.rstrip("/").rsplit("/", 1)[-1]
+    same_parent = storage.same_path(parent_dir(base_directory)) == storage.same_path(parent_dir(directory))
+    if not same_parent or storage.same_path(base_directory) == storage.same_path(directory) or not name \
+            or name in (".", ".."):
+        raise MetadataError(f"base={base_directory!r} cannot be the base of a save into {directory!r}: the base "
+                            f"must be another checkpoint directory beside it (same parent folder or prefix), so "
+                            f"the reference survives moving the parent. Save into a sibling of the base")
+    return name
+
+
+def read_base(storage: Storage, directory: str, base_directory: str) -> BaseView:
+    """Read the committed checkpoint ``base_directory`` (a sibling of ``directory``) for an incremental save.
+
+    Raises :class:`MissingShardError` / :class:`IncompleteCheckpointError` when the base is missing or
+    incomplete, :class:`MetadataError` when it is no sibling. Reads ``metadata.json`` only."""
+    name = check_sibling(storage, directory, base_directory)
+    path = storage.join(base_directory, METADATA_FILE)
+    if not storage.exists(path):
+        raise MissingShardError(f"the base checkpoint {base_directory} has no {METADATA_FILE} (missing, or a save "
+                                f"that never finished): an incremental save needs a complete base. Save in full, "
+                                f"or name a complete checkpoint as the base")
+    data = storage.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES)
+    m = parse_manifest(path, data)
+    save_id = metadata_save_id(data)
+    records = {}
+    for key, record in file_records(storage, base_directory, m).items():
+        records[base_key(name, key) if "/" not in key else key] = record
+    bases = {b.dir: b for b in m.bases}
+    bases[name] = Base(name, save_id)
+    return BaseView(name, save_id, m, records, bases)
+
+
+def _base_chunk(view: BaseView, name: str, full_shape: tuple[int, ...], box: Box, t: torch.Tensor):
+    saved = view.manifest.tensors.get(name)
+    if saved is None or saved.chunks is None or tuple(saved.spec.full_shape) != tuple(full_shape):
+        return None
+    if saved.dtype != to_safetensors_name(t.dtype):
+        return None
+    for c in saved.chunks:
+        if c.offsets == tuple(box.offsets) and c.sizes == tuple(box.sizes):
+            key = view.key_of(c.file)
+            return (key, c.begin, c.end) if key in view.records else None
+    return None
+
+
+def _same_bytes(reader: Reader, begin: int, end: int, t: torch.Tensor) -> bool:
+    """Whether file bytes ``[begin, end)`` equal ``t``'s bytes; stops at the first piece that differs."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.numel() != end - begin or end > reader.size_bytes:
+        return False
+    scratch = None
+    for start in range(0, end - begin, COMPARE_PIECE_BYTES):
+        n = min(COMPARE_PIECE_BYTES, end - begin - start)
+        view = reader.map_range(begin + start, n)
+        if view is None:
+            if scratch is None:
+                scratch = bytearray(min(COMPARE_PIECE_BYTES, end - begin))
+            view = memoryview(scratch)[:n]
+            reader.read_into(begin + start, view)
+        stored = torch.frombuffer(view, dtype=torch.uint8, count=n)
+        if not torch.equal(stored, flat[start:start + n].cpu()):
+            return False
+    return True
+
+
+def unchanged_chunks(storage: Storage, directory: str, view: BaseView,
+                     boxes: dict[str, tuple[tuple[int, ...], Box]], to_write: dict) -> dict[str, list]:
+    """``name -> [file key, begin, end]`` for each tensor of ``to_write`` whose chunk (box ``boxes[name]``)
+    the base stores with exactly these bytes; the others are absent (written as usual).
+
+    A tensor that is not a plain ``torch.Tensor`` (a lazy one) or has no element is written, never
+    compared. Base files are opened once each, read through maps where the storage has them."""
+    readers: dict[str, Reader] = {}
+    refs: dict[str, list] = {}
+    try:
+        for name, t in to_write.items():
+            if name not in boxes or not isinstance(t, torch.Tensor) or t.numel() == 0:
+                continue
+            full_shape, box = boxes[name]
+            found = _base_chunk(view, name, full_shape, box, t)
+            if found is None:
+                continue
+            key, begin, end = found
+            if end - begin != math.prod(box.sizes) * t.element_size():
+                continue
+            if key not in readers:
+                readers[key] = storage.open_reader(data_path(storage, directory, key))
+                if readers[key].size_bytes != view.records[key].bytes:
+                    raise MetadataError(f"{data_path(storage, directory, key)} is {readers[key].size_bytes} bytes, "
+                                        f"its base records {view.records[key].bytes}: the base is damaged. Save in "
+                                        f"full (no base), then validate the base")
+            if _same_bytes(readers[key], begin, end, t):
+                refs[name] = [key, begin, end]
+    finally:
+        for reader in readers.values():
+            reader.close()
+    return refs
+
+
+def used_bases(view: BaseView, keys) -> list[Base]:
+    """The bases (in the base view's order) whose files ``keys`` name."""
+    dirs = {split_key(k)[0] for k in keys}
+    return [b for d, b in sorted(view.bases.items()) if d in dirs]
+
+
+def base_directory(storage: Storage, base) -> str:
+    """``base`` as a directory of ``storage`` (the save's own store): a URL of another store, or a
+    local path for a URL save, is refused (:class:`MetadataError`)."""
+    other, directory = storage_for(base)
+    if type(other) is not type(storage):
+        raise MetadataError(f"base={base!r} is on another storage than the save ({type(other).__name__}, the save "
+                            f"uses {type(storage).__name__}); a base must be a sibling of the new checkpoint")
+    return directory
