@@ -94,7 +94,7 @@ def test_manifest_round_trip_and_seed_schema():
 
 @pytest.mark.parametrize("edit,message", [
     (lambda o: o.update(format="other"), "has format 'other'"),
-    (lambda o: o.update(format_version=3), "format_version 3; this shardkit supports 1, 2"),
+    (lambda o: o.update(format_version=4), "format_version 4; this shardkit supports 1, 2, 3"),
     (lambda o: o.update(num_ranks=0), "num_ranks is 0"),
     (lambda o: o["tensor_specs"]["w"].update(shard_dim=3), "shard_dim 3"),
     (lambda o: o["tensor_specs"]["w"].update(shard_sizes=[2]), "1 shard_sizes for 2 ranks"),
