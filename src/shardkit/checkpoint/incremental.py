@@ -23,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 from dataclasses import dataclass
 
@@ -34,13 +36,15 @@ from shardkit.checkpoint.references import Base, base_key, data_path, metadata_s
 from shardkit.dtypes import to_safetensors_name
 from shardkit.errors import MetadataError, MissingShardError
 from shardkit.layout import Box
-from shardkit.storage import FileRecord, Reader, Storage, storage_for
+from shardkit.storage import FileRecord, Reader, Storage, run_parallel, storage_for
 
 __all__ = ["BaseView", "read_base", "check_sibling", "unchanged_chunks", "used_bases", "base_directory",
            "COMPARE_PIECE_BYTES"]
 
-#: Bytes compared at a time: a changed chunk costs one piece of reading, not the whole chunk.
+#: Bytes compared at a time (the first piece of a chunk is ``FIRST_PIECE_BYTES``): a changed chunk
+#: usually costs one small read of the base, not the whole chunk.
 COMPARE_PIECE_BYTES = 16 * 1024 * 1024
+FIRST_PIECE_BYTES = 64 * 1024
 
 
 @dataclass
@@ -117,8 +121,7 @@ def _same_bytes(reader: Reader, begin: int, end: int, t: torch.Tensor) -> bool:
     if flat.numel() != end - begin or end > reader.size_bytes:
         return False
     scratch = None
-    for start in range(0, end - begin, COMPARE_PIECE_BYTES):
-        n = min(COMPARE_PIECE_BYTES, end - begin - start)
+    for start, n in _pieces(end - begin):
         view = reader.map_range(begin + start, n)
         if view is None:
             if scratch is None:
@@ -126,9 +129,37 @@ def _same_bytes(reader: Reader, begin: int, end: int, t: torch.Tensor) -> bool:
             view = memoryview(scratch)[:n]
             reader.read_into(begin + start, view)
         stored = torch.frombuffer(view, dtype=torch.uint8, count=n)
-        if not torch.equal(stored, flat[start:start + n].cpu()):
+        if not _equal_bytes(stored, flat[start:start + n].cpu()):
             return False
     return True
+
+
+def _pieces(nbytes: int):
+    """``(start, length)`` of each piece compared: a small first one, then ``COMPARE_PIECE_BYTES`` each."""
+    first = min(FIRST_PIECE_BYTES, nbytes)
+    yield 0, first
+    for start in range(first, nbytes, COMPARE_PIECE_BYTES):
+        yield start, min(COMPARE_PIECE_BYTES, nbytes - start)
+
+
+def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous uint8 CPU tensors of one length hold the same bytes: libc's ``memcmp``
+    (no GIL held; ~20x faster than ``torch.equal`` on uint8), ``torch.equal`` where libc is not found."""
+    if _MEMCMP is None:
+        return torch.equal(a, b)
+    return _MEMCMP(a.data_ptr(), b.data_ptr(), a.numel()) == 0
+
+
+def _load_memcmp():
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    memcmp = ctypes.CDLL(name).memcmp
+    memcmp.argtypes, memcmp.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+    return memcmp
+
+
+_MEMCMP = _load_memcmp()
 
 
 def unchanged_chunks(storage: Storage, directory: str, view: BaseView,
@@ -137,9 +168,11 @@ def unchanged_chunks(storage: Storage, directory: str, view: BaseView,
     the base stores with exactly these bytes; the others are absent (written as usual).
 
     A tensor that is not a plain ``torch.Tensor`` (a lazy one) or has no element is written, never
-    compared. Base files are opened once each, read through maps where the storage has them."""
+    compared. Base files are opened once each, read through maps where the storage has them; the
+    chunks are compared in parallel on the shared I/O threads (``storage.run_parallel``)."""
     readers: dict[str, Reader] = {}
     refs: dict[str, list] = {}
+    jobs = []
     try:
         for name, t in to_write.items():
             if name not in boxes or not isinstance(t, torch.Tensor) or t.numel() == 0:
@@ -157,8 +190,9 @@ def unchanged_chunks(storage: Storage, directory: str, view: BaseView,
                     raise MetadataError(f"{data_path(storage, directory, key)} is {readers[key].size_bytes} bytes, "
                                         f"its base records {view.records[key].bytes}: the base is damaged. Save in "
                                         f"full (no base), then validate the base")
-            if _same_bytes(readers[key], begin, end, t):
-                refs[name] = [key, begin, end]
+            jobs.append(lambda r=readers[key], n=name, k=key, b=begin, e=end, t=t:
+                        refs.__setitem__(n, [k, b, e]) if _same_bytes(r, b, e, t) else None)
+        run_parallel(jobs)
     finally:
         for reader in readers.values():
             reader.close()
