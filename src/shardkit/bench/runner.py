@@ -18,13 +18,14 @@ from shardkit.errors import MetadataError
 from shardkit.sizes import size_bytes
 
 SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", "scale", "s3", "comm-gpu",
-          "load-any", "gil")
+          "load-any", "gil", "incremental")
 #: What runs without ``--only``: ``offline`` (the CLI tools against DCP, two extra source checkpoints and
 #: rank processes), ``scale`` (8/32/64 ranks as processes, then as threads, tiny tensors; ``--size`` does not apply) and ``s3``
 #: (a SeaweedFS server on loopback; needs the ``weed`` binary of requirements-dev.txt) and ``comm-gpu``
 #: (an NCCL group's wait modes on one GPU; needs CUDA) and ``load-any`` (``checkpoint.load`` of a Hugging Face
 #: and a DCP checkpoint against ``dcp.load``, 4 and 3 rank processes; ``load_any_bench``) and ``gil`` (a tiny
 #: Llama trained while background saves are in flight, against ``dcp.async_save``'s two modes; ``gil_bench``)
+#: and ``incremental`` (incremental saves against full ones, a 20-step chain's load; ``incremental_bench``)
 #: run only when asked for.
 DEFAULT_SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 
@@ -71,6 +72,9 @@ def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
         from shardkit.bench.gil_bench import run_gil_benchmarks
 
         return run_gil_benchmarks(size, reps, workdir)
+    if name == "incremental":
+        from shardkit.bench.incremental_bench import run_incremental_benchmarks
+        return run_incremental_benchmarks(size, reps, workdir)
     if name == "ddp":
         from shardkit.bench.ddp_bench import run_ddp_benchmarks
 
