@@ -13,7 +13,8 @@ each). Three rows, each fsync'd, interleaved with its full-save peer:
   up on each after its first 64 KiB and writes everything.
 - **load the 20th step of a chain** (``checkpoint.load`` in place, warm
   cache) against the same state saved in full: each step of the chain
-  changes 3 other tensors, so step 20 reads from 21 directories.
+  changes the same 3 tensors (an adapter: step 20 reads from 2 directories),
+  or 3 other tensors (step 20 reads from 21 directories).
 
 The notes give the bytes each save wrote against the bytes that changed.
 What it does not measure: multi-rank saves, object stores, row-band changes
@@ -100,14 +101,18 @@ def bench_changed(state, workdir: str, reps: int, changed: list[str], case: str)
             for name, timing in timings.items()]
 
 
-def bench_chain_load(state, workdir: str, reps: int) -> list[dict]:
-    """``checkpoint.load`` (in place, warm cache) of step 20 of a chain against the same state saved in full."""
+def bench_chain_load(state, workdir: str, reps: int, *, scattered: bool) -> list[dict]:
+    """``checkpoint.load`` (in place, warm cache) of step 20 of a chain against the same state saved in full.
+
+    ``scattered``: each step changes 3 other tensors (step 20 reads from 21 directories); else the same
+    3 every step (an adapter: step 20 reads from itself and step 0)."""
     names = sorted(state)
     root = os.path.join(workdir, "inc-chain")
     _fresh(root)
     for step in range(CHAIN_STEPS + 1):
         if step:
-            _bump(state, [names[(CHANGED * step + i) % len(names)] for i in range(CHANGED)])
+            first = CHANGED * step if scattered else 0
+            _bump(state, [names[(first + i) % len(names)] for i in range(CHANGED)])
         ck.save(state, os.path.join(root, f"step-{step}"),
                 base=os.path.join(root, f"step-{step - 1}") if step else None)
     last = os.path.join(root, f"step-{CHAIN_STEPS}")
@@ -123,7 +128,8 @@ def bench_chain_load(state, workdir: str, reps: int) -> list[dict]:
     bases = len(read_manifest(*storage_for(last)).bases)
     _fresh(root)
     _fresh(full)
-    return [row(f"load step {CHAIN_STEPS} of a chain", name, timing, bytes=_nbytes(state),
+    what = "3 other tensors per step" if scattered else "the same 3 tensors per step"
+    return [row(f"load step {CHAIN_STEPS} of a chain, {what}", name, timing, bytes=_nbytes(state),
                 note=(f"references {bases} earlier steps" if name == "shardkit" else "version 2, self-contained"))
             for name, timing in timings.items()]
 
@@ -134,5 +140,6 @@ def run_incremental_benchmarks(size_bytes: int, reps: int, workdir: str) -> list
     rows = bench_changed(state, workdir, reps, names[:CHANGED],
                          f"save, {100 * CHANGED / TENSORS:.1f}% changed, fsync'd")
     rows += bench_changed(state, workdir, reps, names, "save, everything changed, fsync'd")
-    rows += bench_chain_load(state, workdir, reps)
+    rows += bench_chain_load(state, workdir, reps, scattered=False)
+    rows += bench_chain_load(state, workdir, reps, scattered=True)
     return rows
