@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shardkit.checkpoint as ck
-from shardkit.checkpoint import CheckpointManager, load_distributed, validate_distributed
+from shardkit.checkpoint import CheckpointManager, validate_distributed
 from shardkit.checkpoint.manifest import read_manifest
 from shardkit.errors import ChecksumError, MetadataError, MissingBaseError, MissingShardError
 from shardkit.offline.diff import diff_checkpoints
