@@ -271,3 +271,17 @@ def test_manager_full_every_and_restore_after_a_base_is_kept(tmp_path):
         out = _empty_like(st)
         assert mgr.restore(out) == 6
         _same_bits(out, st)
+
+
+def test_async_save_with_a_base(tmp_path):
+    st = _state()
+    ck.save(st, str(tmp_path / "s0"))
+    st["lora"]["a"] += 1
+    ck.async_save(st, str(tmp_path / "s1"), base=str(tmp_path / "s0")).wait()
+    st["lora"]["a"] += 100          # after the staging copy: the save keeps what was staged
+    m = _meta(tmp_path / "s1")
+    assert m["format_version"] == 3 and "base" not in m["tensor_specs"]["lora.a"]["chunks"][0]
+    assert "base" in m["tensor_specs"]["model.frozen"]["chunks"][0]
+    out = _empty_like(st)
+    ck.load(out, str(tmp_path / "s1"))
+    assert torch.equal(out["lora"]["a"], st["lora"]["a"] - 100)

@@ -173,7 +173,7 @@ def background_coordinator(group, coordinator, rank: int, world_size: int):
 
 
 @logged("async save (staging)")
-def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -> CheckpointFuture:
+def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None, base=None) -> CheckpointFuture:
     """Plan and stage now (a copy of this rank's boxes), write in the background; return the future.
 
     Blocks for one small exchange of layouts over ``group`` and the staging
@@ -185,12 +185,15 @@ def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -
     The staging buffers (one CPU copy of this rank's boxes) are kept and
     reused by the next save on the same group once this one has finished.
     ``future.wait()`` raises
-    :class:`AsyncCheckpointError` if the save failed.
+    :class:`AsyncCheckpointError` if the save failed. ``base``: an incremental
+    save, as for :func:`save` (the staged copy is compared in the background).
 
     >>> future = async_save(state, "/ckpt/step-8"); train(); future.wait()
     """
     coordinator, rank, world_size = resolve_world(group)
     prep = prepare(state_dict, coordinator, rank, world_size, metadata, rank_state)
+    if base is not None:
+        prep.base_dir = base_directory(storage_for(dir)[0], os.fspath(base))
     background = background_coordinator(group, coordinator, rank, world_size)
     stage_for_background(prep, background, dir)
     return start_background(prep, dir, background)
