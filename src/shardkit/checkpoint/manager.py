@@ -78,7 +78,7 @@ from shardkit.checkpoint.group import rank0_decides
 from shardkit.checkpoint.manager_metrics import encode_metrics, parse_best
 from shardkit.checkpoint.manager_rotation import (
     NOT_COMPLETE, STEP_DIR, keep_referenced, own_step_complete, remove_step, remove_step_dir, save_problem,
-    step_dir_name, steps_since_full, steps_to_remove,
+    choose_base, step_dir_name, steps_to_remove,
 )
 from shardkit.checkpoint.manifest import read_manifest
 from shardkit.checkpoint.ownership import mark_owned, owned_listing, sample_names
@@ -318,10 +318,7 @@ class CheckpointManager:
     def _base_for(self, step: int) -> int | None:
         """The newest complete step older than ``step`` that this manager wrote (None: save in full)."""
         own = [s for s in reversed(self._all_steps()) if s < step and self._complete(s) and self._owned(s)]
-        if not own or (self.full_every is not None
-                       and steps_since_full(self._storage, self.root, own, self.full_every) >= self.full_every - 1):
-            return None
-        return own[0]
+        return choose_base(self._storage, self.root, own, self.full_every)
 
     def _complete(self, step: int) -> bool:
         return own_step_complete(self._storage, self.step_dir(step))

@@ -24,7 +24,7 @@ from shardkit.storage import Storage, is_temp_name
 
 __all__ = ["STEP_DIR", "step_dir_name", "steps_to_remove", "remove_step_dir", "remove_own_files", "remove_step",
            "save_problem", "own_step_complete", "NOT_COMPLETE", "referenced_steps", "keep_referenced",
-           "steps_since_full"]
+           "steps_since_full", "choose_base"]
 
 #: ASCII digits, no leading zero, nothing after: one name per step (``step_dir_name``).
 STEP_DIR = re.compile(r"step-(0|[1-9][0-9]{0,17})")
@@ -179,3 +179,14 @@ def steps_since_full(storage: Storage, root: str, newest_first: list[int], limit
             return count
         count += 1
     return count
+
+
+def choose_base(storage: Storage, root: str, own_newest_first: list[int], full_every: int | None) -> int | None:
+    """The base of an incremental save: the newest of ``own_newest_first`` (complete steps the manager
+    wrote), or None (save in full) when there is none or ``full_every - 1`` incremental steps follow
+    the newest full one."""
+    if not own_newest_first:
+        return None
+    if full_every is not None and steps_since_full(storage, root, own_newest_first, full_every) >= full_every - 1:
+        return None
+    return own_newest_first[0]
