@@ -285,3 +285,19 @@ def test_async_save_with_a_base(tmp_path):
     out = _empty_like(st)
     ck.load(out, str(tmp_path / "s1"))
     assert torch.equal(out["lora"]["a"], st["lora"]["a"] - 100)
+
+
+def test_block_digest_only_ever_proves_a_difference(tmp_path, monkeypatch):
+    from shardkit import knobs
+    monkeypatch.setattr(knobs, "CHECKSUM_BLOCK_BYTES", 4096)    # many whole blocks inside each chunk
+    st = {"head": torch.arange(8192.0), "tail": torch.arange(8192.0), "same": torch.arange(8192.0)}
+    ck.save(st, str(tmp_path / "s0"))
+    assert _meta(tmp_path / "s0")["files"]["rank_0.safetensors"]["block_bytes"] == 4096
+    st["head"][1024:] = -1.0     # covers the first whole block inside the chunk: its digest differs
+    st["tail"][-1] = -1.0        # after it: the first whole block's digest matches, the bytes do not
+    ck.save(st, str(tmp_path / "s1"), base=str(tmp_path / "s0"))
+    chunks = {n: t["chunks"][0] for n, t in _meta(tmp_path / "s1")["tensor_specs"].items()}
+    assert "base" not in chunks["head"] and "base" not in chunks["tail"] and "base" in chunks["same"]
+    out = _empty_like(st)
+    ck.load(out, str(tmp_path / "s1"))
+    _same_bits(out, st)

@@ -36,7 +36,7 @@ from shardkit.checkpoint.references import Base, base_key, data_path, metadata_s
 from shardkit.dtypes import to_safetensors_name
 from shardkit.errors import MetadataError, MissingShardError
 from shardkit.layout import Box
-from shardkit.storage import FileRecord, Reader, Storage, run_parallel, storage_for
+from shardkit.storage import FileRecord, Reader, Storage, new_block_hasher, run_parallel, storage_for
 
 __all__ = ["BaseView", "read_base", "check_sibling", "unchanged_chunks", "used_bases", "base_directory",
            "COMPARE_PIECE_BYTES"]
@@ -115,10 +115,17 @@ def _base_chunk(view: BaseView, name: str, full_shape: tuple[int, ...], box: Box
     return None
 
 
-def _same_bytes(reader: Reader, begin: int, end: int, t: torch.Tensor) -> bool:
-    """Whether file bytes ``[begin, end)`` equal ``t``'s bytes; stops at the first piece that differs."""
+def _same_bytes(reader: Reader, begin: int, end: int, t: torch.Tensor, record: FileRecord) -> bool:
+    """Whether file bytes ``[begin, end)`` equal ``t``'s bytes; stops at the first piece that differs.
+
+    A checksum block of the base that lies wholly inside the range is hashed from ``t`` first: a
+    digest that differs from the recorded one proves the bytes differ, with nothing read from the
+    base (a changed chunk costs no disk read). A digest that matches proves nothing: the bytes are
+    compared all the same."""
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     if flat.numel() != end - begin or end > reader.size_bytes:
+        return False
+    if _block_differs(flat, begin, end, record):
         return False
     scratch = None
     for start, n in _pieces(end - begin):
@@ -132,6 +139,17 @@ def _same_bytes(reader: Reader, begin: int, end: int, t: torch.Tensor) -> bool:
         if not _equal_bytes(stored, flat[start:start + n].cpu()):
             return False
     return True
+
+
+def _block_differs(flat: torch.Tensor, begin: int, end: int, record: FileRecord) -> bool:
+    """Whether the first whole checksum block of the base inside ``[begin, end)`` hashes otherwise from ``flat``."""
+    block = -(-begin // record.block_bytes)
+    start = block * record.block_bytes
+    if start + record.block_bytes > end or block >= len(record.block_checksums):
+        return False
+    hasher = new_block_hasher()
+    hasher.update(memoryview(flat[start - begin:start - begin + record.block_bytes].cpu().numpy()))
+    return hasher.hexdigest() != record.block_checksums[block]
 
 
 def _pieces(nbytes: int):
@@ -191,7 +209,7 @@ def unchanged_chunks(storage: Storage, directory: str, view: BaseView,
                                         f"its base records {view.records[key].bytes}: the base is damaged. Save in "
                                         f"full (no base), then validate the base")
             jobs.append(lambda r=readers[key], n=name, k=key, b=begin, e=end, t=t:
-                        refs.__setitem__(n, [k, b, e]) if _same_bytes(r, b, e, t) else None)
+                        refs.__setitem__(n, [k, b, e]) if _same_bytes(r, b, e, t, view.records[k]) else None)
         run_parallel(jobs)
     finally:
         for reader in readers.values():
