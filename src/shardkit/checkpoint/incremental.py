@@ -115,17 +115,19 @@ def _base_chunk(view: BaseView, name: str, full_shape: tuple[int, ...], box: Box
     return None
 
 
-def _same_bytes(reader: Reader, begin: int, end: int, t: torch.Tensor, record: FileRecord) -> bool:
+def _same_bytes(reader: Reader, begin: int, end: int, t: torch.Tensor, record: FileRecord,
+                digest_first: bool) -> bool:
     """Whether file bytes ``[begin, end)`` equal ``t``'s bytes; stops at the first piece that differs.
 
-    A checksum block of the base that lies wholly inside the range is hashed from ``t`` first: a
-    digest that differs from the recorded one proves the bytes differ, with nothing read from the
-    base (a changed chunk costs no disk read). A digest that matches proves nothing: the bytes are
-    compared all the same."""
+    ``digest_first`` (object stores, where each read is a request): a checksum block of the base
+    that lies wholly inside the range is hashed from ``t`` first; a digest that differs from the
+    recorded one proves the bytes differ, with nothing read from the base. A digest that matches
+    proves nothing: the bytes are compared all the same. On local files the first 64 KiB piece is
+    cheaper than hashing a block (8 MiB), so it goes first there."""
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     if flat.numel() != end - begin or end > reader.size_bytes:
         return False
-    if _block_differs(flat, begin, end, record):
+    if digest_first and _block_differs(flat, begin, end, record):
         return False
     scratch = None
     for start, n in _pieces(end - begin):
@@ -191,6 +193,7 @@ def unchanged_chunks(storage: Storage, directory: str, view: BaseView,
     readers: dict[str, Reader] = {}
     refs: dict[str, list] = {}
     jobs = []
+    digest_first = not storage.renames_directories   # an object store: a read is a request
     try:
         for name, t in to_write.items():
             if name not in boxes or not isinstance(t, torch.Tensor) or t.numel() == 0:
@@ -209,7 +212,8 @@ def unchanged_chunks(storage: Storage, directory: str, view: BaseView,
                                         f"its base records {view.records[key].bytes}: the base is damaged. Save in "
                                         f"full (no base), then validate the base")
             jobs.append(lambda r=readers[key], n=name, k=key, b=begin, e=end, t=t:
-                        refs.__setitem__(n, [k, b, e]) if _same_bytes(r, b, e, t, view.records[k]) else None)
+                        refs.__setitem__(n, [k, b, e]) if _same_bytes(r, b, e, t, view.records[k], digest_first)
+                        else None)
         run_parallel(jobs)
     finally:
         for reader in readers.values():
