@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "MetadataError",
     "MissingShardError",
+    "MissingBaseError",
     "ChecksumError",
     "IncompleteCheckpointError",
     "TensorMismatchError",
@@ -54,6 +55,11 @@ class MetadataError(CheckpointError, ValueError):
 
 class MissingShardError(CheckpointError, FileNotFoundError):
     """A file a checkpoint needs is not there."""
+
+
+class MissingBaseError(MissingShardError):
+    """An incremental checkpoint's base (a sibling checkpoint it reads unchanged chunks from) is gone or
+    was replaced; the message names the base."""
 
 
 class ChecksumError(CheckpointError):

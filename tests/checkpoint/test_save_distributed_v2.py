@@ -101,3 +101,13 @@ def test_ranks_saving_at_once_without_a_group_leave_one_complete_checkpoint(tmp_
         t.join(60)
     assert errors == [] and validate_distributed(tmp_path).ok
     assert torch.equal(load_consolidated(tmp_path)["w"], W)
+
+
+def test_a_split_tensor_without_an_element_loads_in_the_shapes_it_was_saved_in(tmp_path):
+    # No chunk records its sizes (it has no byte), so the metadata does: rank 1 saved the one row.
+    spec = ShardMetadata(2, {"w": TensorShardSpec((1, 0), 0, (0, 1))})
+    for rank, rows in enumerate((0, 1)):
+        save_distributed({"w": torch.empty(rows, 0)}, tmp_path, rank, 2, spec)
+    assert json.loads((tmp_path / "metadata.json").read_text())["tensor_specs"]["w"]["shard_sizes"] == [0, 1]
+    assert [tuple(load_distributed(tmp_path, r, 2)["w"].shape) for r in range(2)] == [(0, 0), (1, 0)]
+    assert [tuple(load_distributed(tmp_path, r, 3)["w"].shape) for r in range(3)] == [(1, 0), (0, 0), (0, 0)]

@@ -18,7 +18,7 @@ from shardkit.errors import MetadataError
 from shardkit.sizes import size_bytes
 
 SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", "scale", "s3", "comm-gpu",
-          "load-any", "gil", "metadata-scale")
+          "load-any", "gil", "metadata-scale", "incremental")
 #: What runs without ``--only``: ``offline`` (the CLI tools against DCP, two extra source checkpoints and
 #: rank processes), ``scale`` (8/32/64 ranks as processes, then as threads, tiny tensors; ``--size`` does not apply) and ``s3``
 #: (a SeaweedFS server on loopback; needs the ``weed`` binary of requirements-dev.txt) and ``comm-gpu``
@@ -26,7 +26,8 @@ SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", 
 #: and a DCP checkpoint against ``dcp.load``, 4 and 3 rank processes; ``load_any_bench``) and ``gil`` (a tiny
 #: Llama trained while background saves are in flight, against ``dcp.async_save``'s two modes; ``gil_bench``)
 #: and ``metadata-scale`` (metadata.json of 64..4096 ranks x 1000 FSDP2 tensors simulated in one process:
-#: rank 0's commit, the file's size, a loading rank's planning; ``metadata_scale_bench``) run only when asked for.
+#: rank 0's commit, the file's size, a loading rank's planning; ``metadata_scale_bench``) and ``incremental``
+#: (incremental saves against full ones, a 20-step chain's load; ``incremental_bench``) run only when asked for.
 DEFAULT_SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 
 
@@ -76,6 +77,10 @@ def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
         from shardkit.bench.metadata_scale_bench import run_metadata_scale_benchmarks
 
         return run_metadata_scale_benchmarks(workdir, reps=reps)
+    if name == "incremental":
+        from shardkit.bench.incremental_bench import run_incremental_benchmarks
+
+        return run_incremental_benchmarks(size, reps, workdir)
     if name == "ddp":
         from shardkit.bench.ddp_bench import run_ddp_benchmarks
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from shardkit.checkpoint.background_group import dedicated_gloo_group
 from shardkit.checkpoint.future import CheckpointFuture
 from shardkit.checkpoint.chunked_save import prepare, write_and_commit
+from shardkit.checkpoint.incremental import base_directory
 from shardkit.checkpoint.group import resolve_group
 from shardkit.checkpoint.load_names import LoadOptions
 from shardkit.checkpoint.load_source import load_from_source
@@ -73,7 +74,7 @@ def resolve_world(group):
 
 
 @logged("save")
-def save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -> None:
+def save(state_dict, dir, *, group=None, metadata=None, rank_state=None, base=None) -> None:
     """Save ``state_dict`` (nested; DTensor, tensor and plain leaves) into the directory ``dir``.
 
     A collective over ``group``: every rank calls it with the same structure.
@@ -83,11 +84,22 @@ def save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -> None
     ``rank_state``: values that differ between ranks (RNG states, a loader's
     position), kept per rank (see ``rank_state.py`` for the world-size rule).
 
+    ``base``: an incremental save (format version 3). ``base`` is a complete
+    checkpoint directory beside ``dir`` (same parent folder or URL prefix);
+    each chunk whose bytes equal, byte for byte, the base's chunk of the same
+    tensor and box is referenced instead of written (``checkpoint/incremental.py``).
+    The new checkpoint then needs the base (and what the base references) to
+    load: keep it (``CheckpointManager(incremental=True)`` does), or a load
+    raises :class:`MissingBaseError` naming it. Not for ``dir == base``.
+
     >>> save({"model": model_sd, "optim": optim_sd, "step": 7}, "/ckpt/step-7")
+    >>> save({"model": model_sd, "optim": optim_sd, "step": 8}, "/ckpt/step-8", base="/ckpt/step-7")
     """
     coordinator, rank, world_size = resolve_world(group)
     prep = prepare(state_dict, coordinator, rank, world_size, metadata, rank_state)
     storage, directory = storage_for(dir)
+    if base is not None:
+        prep.base_dir = base_directory(storage, os.fspath(base))
     write_and_commit(prep, storage, directory, coordinator)
 
 
@@ -161,7 +173,7 @@ def background_coordinator(group, coordinator, rank: int, world_size: int):
 
 
 @logged("async save (staging)")
-def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -> CheckpointFuture:
+def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None, base=None) -> CheckpointFuture:
     """Plan and stage now (a copy of this rank's boxes), write in the background; return the future.
 
     Blocks for one small exchange of layouts over ``group`` and the staging
@@ -173,12 +185,15 @@ def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None) -
     The staging buffers (one CPU copy of this rank's boxes) are kept and
     reused by the next save on the same group once this one has finished.
     ``future.wait()`` raises
-    :class:`AsyncCheckpointError` if the save failed.
+    :class:`AsyncCheckpointError` if the save failed. ``base``: an incremental
+    save, as for :func:`save` (the staged copy is compared in the background).
 
     >>> future = async_save(state, "/ckpt/step-8"); train(); future.wait()
     """
     coordinator, rank, world_size = resolve_world(group)
     prep = prepare(state_dict, coordinator, rank, world_size, metadata, rank_state)
+    if base is not None:
+        prep.base_dir = base_directory(storage_for(dir)[0], os.fspath(base))
     background = background_coordinator(group, coordinator, rank, world_size)
     stage_for_background(prep, background, dir)
     return start_background(prep, dir, background)

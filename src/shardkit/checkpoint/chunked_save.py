@@ -63,6 +63,7 @@ from shardkit.checkpoint.compact_layout import Description, describe, own_boxes_
 from shardkit.checkpoint.dtensor_layout import local_box
 from shardkit.checkpoint.agreement import agree, attempt, describe as describe_error
 from shardkit.checkpoint.group import SLOT_BYTES, exchange
+from shardkit.checkpoint.incremental import read_base, unchanged_chunks, used_bases
 from shardkit.checkpoint.manifest import (
     COMPACT_VERSION, METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_name,
     write_json,
@@ -93,6 +94,11 @@ class Prepared:
     structure: Any
     user_metadata: dict
     split_dims: dict[str, int] = field(default_factory=dict)   # name -> shard_spec dimension (save_distributed)
+    #: name -> shard_spec sizes, for the split tensors without an element (no chunk tells their sizes)
+    empty_split_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    boxes: dict[str, tuple] = field(default_factory=dict)   # name -> (full shape, this rank's Box) of to_write
+    base_dir: str | None = None      # incremental save: the sibling checkpoint unchanged chunks are referenced in
+    base_view: Any = None            # its BaseView, read by the writing step (incremental.read_base)
 
 
 _WITHDRAW_STEP = "locking the directory and withdrawing the previous metadata"
@@ -198,21 +204,28 @@ def prepare(state_dict, coordinator, rank: int, world_size: int, metadata=None, 
                     exc, "preparing the save", on_root=decide, slot_bytes=_LAYOUT_SLOT_BYTES)
     if compact:
         writes = own_writes(mine.desc, rank, world_size, mine.global_rank, mine.boxes)
-        plan_all = lambda: _agreed_plan(mine.desc, at_root["global_ranks"], world_size)  # noqa: E731 - rank 0
+        plan_all = None                  # rank 0 plans at commit, once it knows whether the save has a base
     else:
         reports = _all(coordinator, mine.report(), "exchanging every rank's boxes (the compact layouts differ)")
         plan = plan_chunks(reports, lambda d: itemsize_bytes(NAME_TO_DTYPE[d]))
         writes, plan_all = plan.writes[rank], lambda: plan
     # Every rank's plain per-rank leaves reach rank 0 only, which alone writes metadata.json.
     objects = {**mine.flat.objects, **at_root.get("objects", mine.rank_objects)}
-    return Prepared(rank, world_size, plan_all, {n: mine.local[n] for n in writes}, objects,
-                    mine.flat.structure, mine.user_metadata)
+    boxes = {n: (tuple(mine.desc.tensors[n].full_shape), mine.boxes[n]) for n in writes if n in mine.desc.tensors}
+    prep = Prepared(rank, world_size, plan_all, {n: mine.local[n] for n in writes}, objects,
+                    mine.flat.structure, mine.user_metadata, boxes=boxes)
+    if plan_all is None:   # no grid in an incremental save: its chunks may lie in the base
+        prep.full_plan = lambda: _agreed_plan(mine.desc, at_root["global_ranks"], world_size,  # noqa: E731
+                                              grids=prep.base_dir is None)
+    return prep
 
 
-def _agreed_plan(desc, global_ranks: list, world_size: int) -> ChunkPlan | GridPlan:
-    """Rank 0's plan of an agreed save: grids (O(tensors + ranks)) where ``knobs.COMPACT_MIN_RANKS`` asks
-    for compact entries and every layout is a grid by construction, else every box (O(chunks))."""
-    compact = grid_plan(desc, global_ranks, world_size) if world_size >= knobs.COMPACT_MIN_RANKS else None
+def _agreed_plan(desc, global_ranks: list, world_size: int, grids: bool = True) -> ChunkPlan | GridPlan:
+    """Rank 0's plan of an agreed save: grids (O(tensors + ranks)) where ``grids`` allows them (not in an
+    incremental save, whose chunks may live in a base), ``knobs.COMPACT_MIN_RANKS`` asks for compact
+    entries and every layout is a grid by construction, else every box (O(chunks))."""
+    wanted = grids and world_size >= knobs.COMPACT_MIN_RANKS
+    compact = grid_plan(desc, global_ranks, world_size) if wanted else None
     return compact or full_plan(desc, global_ranks, world_size)
 
 
@@ -235,7 +248,15 @@ def write_data_file(storage: Storage, directory: str, rank: int, world_size: int
 
 
 def _write_file(storage: Storage, directory: str, prep: Prepared) -> dict:
-    return write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()))
+    """Write this rank's file; with a base, only the chunks whose bytes differ from the base's (the
+    others are reported as ``refs``: ``name -> [file key, begin, end]``, for the commit)."""
+    if prep.base_dir is None:
+        return write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()))
+    prep.base_view = view = read_base(storage, directory, prep.base_dir)
+    refs = unchanged_chunks(storage, directory, view, prep.boxes, prep.to_write)
+    named = [(n, t) for n, t in prep.to_write.items() if n not in refs]
+    written = write_data_file(storage, directory, prep.rank, prep.world_size, named)
+    return {**written, "refs": refs, "base": view.save_id}
 
 
 def _check_written(rank: int, layout: FileLayout, written: dict) -> FileRecord:
@@ -263,32 +284,54 @@ def _manifest(prep: Prepared, written: list[dict]) -> Manifest:
     plan = prep.full_plan()
     if isinstance(plan, GridPlan):
         return _grid_manifest(prep, plan, written)
+    refs = _references(prep, written)
     held: list[list] = [[] for _ in range(prep.world_size)]
     for name, t in plan.tensors.items():
         for box, r in t.box_to_writer.items():
-            held[r].append((name, t.dtype, box.sizes))
+            if name not in refs[r]:
+                held[r].append((name, t.dtype, box.sizes))
     files, ranges = {}, []
     for r in range(prep.world_size):
         layout = file_layout(held[r], _file_metadata(r, prep.world_size))
         files[data_file_name(r)] = _check_written(r, layout, written[r])
-        ranges.append({e.name: (e.begin, e.end) for e in layout.entries})
+        ranges.append({e.name: (data_file_name(r), e.begin, e.end) for e in layout.entries})
+        ranges[r].update({n: tuple(ref) for n, ref in refs[r].items()})
     tensors = {}
     for name, t in plan.tensors.items():
-        chunks = tuple(Chunk(data_file_name(r), box.offsets, box.sizes, *ranges[r][name])
+        chunks = tuple(Chunk(*ranges[r][name][:1], box.offsets, box.sizes, *ranges[r][name][1:])
                        for box, r in sorted(t.box_to_writer.items(), key=lambda br: br[0].offsets))
-        # Chosen automatically: a grid wherever the chunks form one (in saves of COMPACT_MIN_RANKS ranks or more).
+        # Chosen automatically: a grid wherever the chunks form one (in saves of COMPACT_MIN_RANKS ranks or
+        # more; a chunk referenced in a base never is one).
         grid = grid_of_chunks(t.full_shape, chunks) if prep.world_size >= knobs.COMPACT_MIN_RANKS else None
         tensors[name] = SavedTensor(TensorShardSpec(t.full_shape, None, ()), t.dtype, None,
-                                    chunks if grid is None else GridChunks(grid), prep.split_dims.get(name))
+                                    chunks if grid is None else GridChunks(grid), prep.split_dims.get(name),
+                                    prep.empty_split_sizes.get(name))
+    keys = {ref[0] for r in refs for ref in r.values()}
+    bases = used_bases(prep.base_view, keys) if keys else []
+    files.update({k: prep.base_view.records[k] for k in sorted(keys)})
     return Manifest(COMPACT_VERSION, prep.world_size, tensors, files, prep.objects, prep.structure,
-                    prep.user_metadata)
+                    prep.user_metadata, bases=bases)
+
+
+def _references(prep: Prepared, written: list[dict]) -> list[dict[str, list]]:
+    """Each rank's referenced chunks (``name -> [key, begin, end]``), checked: every rank compared
+    against the base rank 0 read (``MetadataError`` otherwise; nothing committed)."""
+    refs = [w.get("refs") or {} for w in written]
+    if any(refs):
+        ids = {w.get("base") for w in written}
+        if prep.base_view is None or ids != {prep.base_view.save_id}:
+            raise MetadataError(f"the ranks of an incremental save compared their chunks against different "
+                                f"versions of the base {prep.base_dir} ({sorted(map(str, ids))}): it changed "
+                                f"during the save. Nothing was committed; save again")
+    return refs
 
 
 def _grid_manifest(prep: Prepared, plan: GridPlan, written: list[dict]) -> Manifest:
     """The manifest of an agreed save, every tensor a grid: O(tensors + ranks) (``grid_plan``)."""
     files = {data_file_name(r): _check_sized(r, int(plan.data_bytes[r]), written[r]) for r in range(prep.world_size)}
     tensors = {name: SavedTensor(TensorShardSpec(shape, None, ()), dtype, None,
-                                 () if grid is None else GridChunks(grid), prep.split_dims.get(name))
+                                 () if grid is None else GridChunks(grid), prep.split_dims.get(name),
+                                 prep.empty_split_sizes.get(name))
                for name, (shape, dtype, grid) in plan.tensors.items()}
     return Manifest(COMPACT_VERSION, prep.world_size, tensors, files, prep.objects, prep.structure,
                     prep.user_metadata)

@@ -47,9 +47,17 @@ class Chunk:
         return Box(self.offsets, self.sizes)
 
 
-def chunks_to_json(chunks: Sequence[Chunk]) -> list[dict]:
-    return [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file, "byte_range": [c.begin, c.end]}
-            for c in chunks]
+def chunks_to_json(chunks: Sequence[Chunk], base_index: dict[str, int] | None = None) -> list[dict]:
+    """The chunks as JSON; a chunk whose file is a base's (key ``"<dir>/<file>"``, ``references.py``)
+    gets ``"file": "<file>"`` and ``"base": base_index[dir]`` (format version 3)."""
+    out = []
+    for c in chunks:
+        entry = {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file, "byte_range": [c.begin, c.end]}
+        if "/" in c.file:
+            base_dir, entry["file"] = c.file.split("/", 1)
+            entry["base"] = base_index[base_dir]
+        out.append(entry)
+    return out
 
 
 def _ints(source: str, what: str, raw: Any, length: int | None = None) -> tuple[int, ...]:
@@ -65,7 +73,8 @@ def _ints(source: str, what: str, raw: Any, length: int | None = None) -> tuple[
 def parse_chunks(source: str, name: str, raw: Any, full_shape: tuple[int, ...], itemsize: int,
                  check_file) -> tuple[Chunk, ...]:
     """The chunks of tensor ``name`` from their JSON, checked: in bounds, byte ranges of the right
-    length, an exact cover of ``full_shape``. ``check_file(name) -> name`` refuses bad file names."""
+    length, an exact cover of ``full_shape``. ``check_file(name, base) -> key`` refuses bad file names
+    (``base``: the chunk's ``"base"`` entry, None when it has none)."""
     if not isinstance(raw, list) or len(raw) > MAX_CHUNKS_PER_TENSOR:
         raise MetadataError(f"{source}: tensor {short_repr(name)} has chunks {type(raw).__name__}; expected a list of at "
                             f"most {MAX_CHUNKS_PER_TENSOR} chunk objects")
@@ -82,7 +91,7 @@ def parse_chunks(source: str, name: str, raw: Any, full_shape: tuple[int, ...], 
                                 f"its sizes {list(sizes)} need {math.prod(sizes) * itemsize}")
         if not isinstance(c.get("file"), str):
             raise MetadataError(f"{source}: {where} has file {short_repr(c.get('file'))}, expected a file name")
-        chunks.append(Chunk(check_file(c["file"]), offsets, sizes, begin, end))
+        chunks.append(Chunk(check_file(c["file"], c.get("base")), offsets, sizes, begin, end))
     check_cover(name, full_shape, chunks, source=source)
     return tuple(chunks)
 

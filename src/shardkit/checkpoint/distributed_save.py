@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -139,7 +140,9 @@ def _prepare(state_dict, rank, world_size, shard_spec, metadata) -> _Planned:
     plan = spec_chunk_plan(tensors, specs, world_size, lambda d: itemsize_bytes(NAME_TO_DTYPE[d]))
     prep = Prepared(rank, world_size, lambda: plan, {n: flat.tensors[n] for n in plan.writes[rank]},
                     flat.objects, flat.structure, snapshot_metadata(metadata),
-                    {n: s.shard_dim for n, s in specs.items() if s.shard_dim is not None})
+                    {n: s.shard_dim for n, s in specs.items() if s.shard_dim is not None},
+                    {n: tuple(s.shard_sizes) for n, s in specs.items()
+                     if s.shard_dim is not None and math.prod(s.full_shape) == 0})
     digest = _digest(tensors, specs, world_size)
     return _Planned(prep, digest, _save_id(digest, prep))
 

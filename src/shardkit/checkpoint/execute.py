@@ -28,6 +28,7 @@ from shardkit import knobs
 from shardkit.dtypes import from_safetensors_name, to_safetensors_name
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError, TensorMismatchError
 from shardkit.checkpoint.manifest import Manifest, SavedTensor, file_records
+from shardkit.checkpoint.references import Base, check_base, data_path, split_key
 from shardkit.checkpoint.plan import ChunkRead, TensorLoad, nonempty_chunk_files, overlapping_saved_chunks
 from shardkit.layout import Box
 from shardkit.storage import (
@@ -54,11 +55,14 @@ class OpenFiles:
     """Data files opened on demand, each checked once: size vs record, then its header."""
 
     def __init__(self, storage: Storage, directory: str, records: dict[str, FileRecord], *, verify: bool,
-                 may_map: bool = False):
+                 may_map: bool = False, bases: list[Base] = ()):
         self.storage, self.directory, self.records, self.verify = storage, directory, records, verify
         self.may_map = may_map  # run_loads may return outputs over maps of the files (see _mapped_outputs)
         self._open: dict[str, tuple[Reader, SafetensorsHeader]] = {}
         self._lock = threading.Lock()
+        # Version 3: a base is proven to be the one referenced before the first of its files is opened.
+        self._unchecked_bases = {b.dir: b for b in bases}
+        self._base_dirs = frozenset(self._unchecked_bases)
 
     @classmethod
     def for_load(cls, storage: Storage, directory: str, m: Manifest, verify: bool | None) -> "OpenFiles":
@@ -70,7 +74,8 @@ class OpenFiles:
         """
         may_map = verify is not True and knobs.MAP_LOADS
         verify = knobs.VERIFY_ON_LOAD if verify is None else bool(verify)
-        return cls(storage, directory, file_records(storage, directory, m), verify=verify, may_map=may_map)
+        return cls(storage, directory, file_records(storage, directory, m), verify=verify, may_map=may_map,
+                   bases=m.bases)
 
     def get(self, file: str) -> tuple[Reader, SafetensorsHeader, FileRecord | None]:
         with self._lock:
@@ -80,7 +85,13 @@ class OpenFiles:
         return reader, header, self.records.get(file) if self.verify else None
 
     def _open_one(self, file: str) -> tuple[Reader, SafetensorsHeader]:
-        path = self.storage.join(self.directory, file)
+        base_dir = split_key(file)[0]
+        if base_dir in self._unchecked_bases:    # under self._lock: each base checked once
+            check_base(self.storage, self.directory, self._unchecked_bases[base_dir])
+            del self._unchecked_bases[base_dir]
+        # Only a key naming one of the manifest's bases leaves the directory (an index's "sub/x" stays inside).
+        path = (data_path(self.storage, self.directory, file) if base_dir in self._base_dirs
+                else self.storage.join(self.directory, file))
         try:
             reader = self.storage.open_reader(path)
         except MissingShardError as e:

@@ -48,6 +48,13 @@ Example::
             if step % 100 == 0:
                 mgr.save(step, state, metrics={"loss": loss})
 
+**Incremental** (``incremental=True``): each save names the newest complete
+step this manager wrote as its base (``save(..., base=)``): chunks whose bytes
+did not change are referenced there, not written again (``full_every=n``: a
+full save once ``n - 1`` incremental ones follow the last full step).
+Rotation never removes a step a kept step references; it frees it once no
+kept step does.
+
 A step already saved complete is never saved again (``CheckpointExistsError``):
 its directory would be cleared before the new copy is written, and a crash
 then would leave no checkpoint of it. Nor is a step older than a complete
@@ -70,8 +77,8 @@ from shardkit.checkpoint.chunked_save import prepare, write_and_commit
 from shardkit.checkpoint.group import rank0_decides
 from shardkit.checkpoint.manager_metrics import encode_metrics, parse_best
 from shardkit.checkpoint.manager_rotation import (
-    NOT_COMPLETE, STEP_DIR, own_step_complete, remove_step, remove_step_dir, save_problem, step_dir_name,
-    steps_to_remove,
+    NOT_COMPLETE, STEP_DIR, keep_referenced, own_step_complete, remove_step, remove_step_dir, save_problem,
+    choose_base, step_dir_name, steps_to_remove,
 )
 from shardkit.checkpoint.manifest import read_manifest
 from shardkit.checkpoint.ownership import mark_owned, owned_listing, sample_names
@@ -95,12 +102,18 @@ class CheckpointManager:
     the step with the best value of that metric (given to :meth:`save`) is kept.
     """
 
-    def __init__(self, root, *, group=None, keep_last: int = 3, best=None, async_save: bool = True):
+    def __init__(self, root, *, group=None, keep_last: int = 3, best=None, async_save: bool = True,
+                 incremental: bool = False, full_every: int | None = None):
         if not isinstance(keep_last, int) or keep_last < 1:
             raise MetadataError(f"keep_last must be an integer >= 1 (the newest complete step is always kept), "
                                 f"got {keep_last!r}")
         self._storage, self.root = storage_for(os.fspath(root))
+        if full_every is not None and (not isinstance(full_every, int) or full_every < 1):
+            raise MetadataError(f"full_every must be None or an integer >= 1 (1: every save is full), got "
+                                f"{full_every!r}")
         self.group, self.keep_last, self.async_save = group, keep_last, async_save
+        self.incremental, self.full_every = incremental, full_every
+        self._base: int | None = None   # the base of the save in flight (kept by rotation)
         self.best = parse_best(best)
         self._coordinator, self.rank, self.world_size = resolve_world(group)
         self._future = None
@@ -153,6 +166,9 @@ class CheckpointManager:
         self._refuse_to_save(step)
         prep = prepare(state_dict, self._coordinator, self.rank, self.world_size, metadata, rank_state)
         directory = self.step_dir(step)
+        self._base = self._rank0_decides(lambda: self._base_for(step), "choosing the base") if self.incremental \
+            else None
+        prep.base_dir = None if self._base is None else self.step_dir(self._base)
         clear = lambda: self._clear_leftover(step)  # noqa: E731 - rank 0, before anything is written
         self._writing = step
         if self.async_save:
@@ -299,6 +315,11 @@ class CheckpointManager:
         (a torchtitan DCP ``step-N``, a Hugging Face export); any failed read but "incomplete" is raised."""
         return self._complete(step) or complete_kind(self.step_dir(step)) in ("dcp", "hf")
 
+    def _base_for(self, step: int) -> int | None:
+        """The newest complete step older than ``step`` that this manager wrote (None: save in full)."""
+        own = [s for s in reversed(self._all_steps()) if s < step and self._complete(s) and self._owned(s)]
+        return choose_base(self._storage, self.root, own, self.full_every)
+
     def _complete(self, step: int) -> bool:
         return own_step_complete(self._storage, self.step_dir(step))
 
@@ -345,7 +366,9 @@ class CheckpointManager:
         best = self._best_step(complete)
         # Complete steps of other formats count for keep_last and restore, but are never removed.
         owned = [s for s in self._all_steps() if s != writing and self._owned(s)]
-        for step in steps_to_remove(owned, complete, keep_last=self.keep_last, best=best, writing=writing):
+        remove = steps_to_remove(owned, complete, keep_last=self.keep_last, best=best, writing=writing)
+        needed = (self._base,) if writing is not None and self._base is not None else ()
+        for step in keep_referenced(self._storage, self.root, remove, complete, needed):
             self._remove_step(step)
         if complete and writing is None:
             # What killed saves left that no step lists: temporaries beside the steps, and on object

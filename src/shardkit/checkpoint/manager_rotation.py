@@ -17,12 +17,14 @@ import re
 from typing import Callable
 
 from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
+from shardkit.checkpoint.references import data_path
 from shardkit.checkpoint.ownership import foreign_names, is_own_name, sample_names
 from shardkit.errors import IncompleteCheckpointError, MetadataError
 from shardkit.storage import Storage, is_temp_name
 
 __all__ = ["STEP_DIR", "step_dir_name", "steps_to_remove", "remove_step_dir", "remove_own_files", "remove_step",
-           "save_problem", "own_step_complete", "NOT_COMPLETE"]
+           "save_problem", "own_step_complete", "NOT_COMPLETE", "referenced_steps", "keep_referenced",
+           "steps_since_full", "choose_base"]
 
 #: ASCII digits, no leading zero, nothing after: one name per step (``step_dir_name``).
 STEP_DIR = re.compile(r"step-(0|[1-9][0-9]{0,17})")
@@ -136,6 +138,55 @@ def own_step_complete(storage: Storage, path: str) -> bool:
     try:
         m = read_manifest(storage, path)
         records = file_records(storage, path, m)
-        return all(storage.size_bytes(storage.join(path, f)) == r.bytes for f, r in records.items())
+        return all(storage.size_bytes(data_path(storage, path, f)) == r.bytes for f, r in records.items())
     except NOT_COMPLETE:
         return False
+
+
+def referenced_steps(storage: Storage, root: str, steps: list[int]) -> set[int]:
+    """The steps whose files the checkpoints of ``steps`` (under ``root``) reference: their bases
+    (format version 3; chains are flattened, so no closure is needed). A step that is gone or
+    incomplete references nothing; any other failed read is raised (the rotation then deletes nothing)."""
+    out: set[int] = set()
+    for step in steps:
+        try:
+            m = read_manifest(storage, storage.join(root, step_dir_name(step)))
+        except NOT_COMPLETE:
+            continue
+        out.update(int(match.group(1)) for match in map(STEP_DIR.fullmatch, m.base_dirs()) if match)
+    return out
+
+
+def keep_referenced(storage: Storage, root: str, remove: list[int], complete: list[int],
+                    needed: tuple[int, ...] = ()) -> list[int]:
+    """``remove`` less every step a kept complete step references (and ``needed``: the base of a save
+    in flight): a step is freed only once no kept step reads from it.
+
+    >>> keep_referenced(store, "/ckpt", remove=[0, 1], complete=[0, 1, 2])   # step-2 references step-0
+    [1]
+    """
+    kept = [s for s in complete if s not in remove]
+    referenced = referenced_steps(storage, root, kept) | set(needed)
+    return [s for s in remove if s not in referenced]
+
+
+def steps_since_full(storage: Storage, root: str, newest_first: list[int], limit: int) -> int:
+    """How many of ``newest_first`` (complete steps) are incremental before the newest full one
+    (one without bases); stops counting at ``limit``."""
+    count = 0
+    for step in newest_first[:limit]:
+        if not read_manifest(storage, storage.join(root, step_dir_name(step))).bases:
+            return count
+        count += 1
+    return count
+
+
+def choose_base(storage: Storage, root: str, own_newest_first: list[int], full_every: int | None) -> int | None:
+    """The base of an incremental save: the newest of ``own_newest_first`` (complete steps the manager
+    wrote), or None (save in full) when there is none or ``full_every - 1`` incremental steps follow
+    the newest full one."""
+    if not own_newest_first:
+        return None
+    if full_every is not None and steps_since_full(storage, root, own_newest_first, full_every) >= full_every - 1:
+        return None
+    return own_newest_first[0]

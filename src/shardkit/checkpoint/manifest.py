@@ -34,6 +34,7 @@ from shardkit.checkpoint.chunks import Chunk, chunks_to_json, parse_chunks
 from shardkit.checkpoint.compact_manifest import GridChunks, grid_to_json, parse_grid
 from shardkit.checkpoint.nested import check_structure
 from shardkit.checkpoint.rank_state import is_rank_state_name
+from shardkit.checkpoint.references import Base, base_key, check_base_name, split_key
 from shardkit.checkpoint.spec import TensorShardSpec, check_spec
 from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError, TensorMismatchError
@@ -62,7 +63,8 @@ FORMAT = "shardkit.distributed"
 RANK_FORMAT = "shardkit.distributed.rank"
 FORMAT_VERSION = 1
 CHUNKED_VERSION = 2          # every tensor described by its chunks (checkpoint/chunks.py, docs/format.md)
-COMPACT_VERSION = 3          # what writers write: a grid entry for a regular layout, else chunks (compact_manifest.py)
+COMPACT_VERSION = 3          # what writers write: a grid entry for a regular layout, else chunks, which may name
+                             # a base checkpoint's file (compact_manifest.py; references.py, incremental saves)
 SUPPORTED_VERSIONS = (1, 2, 3)
 METADATA_FILE = "metadata.json"
 
@@ -91,6 +93,8 @@ class SavedTensor:
     owner_rank: int | None = None
     chunks: tuple[Chunk, ...] | GridChunks | None = None
     split_dim: int | None = None
+    #: the sizes along ``split_dim`` of a tensor with no element (version 3, optional: no chunk records them)
+    split_sizes: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -110,6 +114,11 @@ class Manifest:
     structure: Any = None
     user_metadata: dict = field(default_factory=dict)
     save_id: str | None = None   # ties rank manifests to this metadata.json (saves without a group)
+    bases: list[Base] = field(default_factory=list)  # version 3: the siblings whose files chunks reference
+
+    def base_dirs(self) -> set[str]:
+        """The sibling directories this checkpoint reads chunks from (empty for a self-contained one)."""
+        return {b.dir for b in self.bases}
 
 
 def manifest_to_json(m: Manifest) -> dict:
@@ -130,22 +139,32 @@ def manifest_to_json(m: Manifest) -> dict:
     }
 
 
-def _chunks_json(chunks) -> dict:
-    """A version-3 tensor's layout: ``{"grid": ...}`` for a :class:`GridChunks`, else ``{"chunks": [...]}``."""
+def _chunks_json(chunks, base_index: dict[str, int]) -> dict:
+    """A version-3 tensor's layout: ``{"grid": ...}`` for a :class:`GridChunks`, else ``{"chunks": [...]}``
+    (a chunk in a base's file names the base by its place in ``bases``)."""
     if isinstance(chunks, GridChunks):
         return {"grid": grid_to_json(chunks.grid)}
-    return {"chunks": chunks_to_json(chunks)}
+    return {"chunks": chunks_to_json(chunks, base_index)}
 
 
 def _chunked_to_json(m: Manifest) -> dict:
-    specs = {name: {"full_shape": list(t.spec.full_shape), "dtype": t.dtype, **_chunks_json(t.chunks),
-                    **({"shard_dim": t.split_dim} if t.split_dim is not None else {})}
+    index = {b.dir: i for i, b in enumerate(m.bases)}
+    specs = {name: {"full_shape": list(t.spec.full_shape), "dtype": t.dtype, **_chunks_json(t.chunks, index),
+                    **({"shard_dim": t.split_dim} if t.split_dim is not None else {}),
+                    **({"shard_sizes": list(t.split_sizes)} if t.split_sizes is not None else {})}
              for name, t in m.tensors.items()}
-    return {
-        "format": FORMAT, "format_version": COMPACT_VERSION, "num_ranks": m.num_ranks,
-        "tensor_specs": specs, "files": {f: r.to_json() for f, r in sorted(m.files.items())},
+    own = {f: r.to_json() for f, r in sorted(m.files.items()) if "/" not in f}
+    out = {
+        "format": FORMAT, "format_version": COMPACT_VERSION,
+        "num_ranks": m.num_ranks, "tensor_specs": specs, "files": own,
         "objects": encode_objects(m.objects), "structure": m.structure, "user_metadata": m.user_metadata,
     }
+    if m.bases:
+        out["bases"] = [{"dir": b.dir, "save_id": b.save_id,
+                         "files": {split_key(f)[1]: r.to_json() for f, r in sorted(m.files.items())
+                                   if split_key(f)[0] == b.dir}}
+                        for b in m.bases]
+    return out
 
 
 def write_json(storage: Storage, path: str, obj: Any) -> None:
@@ -205,11 +224,16 @@ def parse_manifest(source: str, data: bytes) -> Manifest:
     version = _check_version(source, obj, FORMAT)
     num_ranks = expect_int(obj.get("num_ranks"), f"{source}: num_ranks", low=1, high=knobs.MAX_NUM_RANKS)
     raw_specs = expect_dict(obj.get("tensor_specs"), f"{source}: tensor_specs")
-    tensors = {expect_str(name, f"{source}: a tensor name"): _saved_tensor(source, name, raw, num_ranks, version)
-               for name, raw in raw_specs.items()}
-    _check_grid_cells(source, tensors)
     files = {check_relative_name(f, (".safetensors",), source=source): FileRecord.from_json(f, r)
              for f, r in expect_dict(obj.get("files") or {}, f"{source}: files").items()}
+    if any("/" in f for f in files):
+        raise MetadataError(f"{source}: files names {sorted(f for f in files if '/' in f)[:3]}; a checkpoint's own "
+                            f"data files are plain names (a base's files are listed under bases)")
+    bases = _parse_bases(source, obj.get("bases"), version, files)
+    tensors = {expect_str(name, f"{source}: a tensor name"):
+               _saved_tensor(source, name, raw, num_ranks, version, bases, files)
+               for name, raw in raw_specs.items()}
+    _check_grid_cells(source, tensors)
     objects = {name: decode_value(raw, f"{source}: object {short_repr(name)}")
                for name, raw in expect_dict(obj.get("objects") or {}, f"{source}: objects").items()}
     user_metadata = expect_dict(obj.get("user_metadata") or {}, f"{source}: user_metadata")
@@ -221,7 +245,31 @@ def parse_manifest(source: str, data: bytes) -> Manifest:
     save_id = obj.get("save_id")
     if save_id is not None:
         expect_str(save_id, f"{source}: save_id")
-    return Manifest(version, num_ranks, tensors, files, objects, structure, user_metadata, save_id)
+    return Manifest(version, num_ranks, tensors, files, objects, structure, user_metadata, save_id, bases)
+
+
+def _parse_bases(source: str, raw: Any, version: int | None, files: dict[str, FileRecord]) -> list[Base]:
+    """Version 3's ``bases`` (each sibling's name, ``save_id`` and file records); the records go into
+    ``files`` under their keys (``"<dir>/<file>"``), so every referenced byte is verified like an own one."""
+    if raw is None:
+        return []
+    if version != COMPACT_VERSION:
+        raise MetadataError(f"{source} has bases but format_version {version}; references need version "
+                            f"{COMPACT_VERSION}. {_FIX}")
+    bases = []
+    for i, entry in enumerate(expect_list(raw, f"{source}: bases", max_items=knobs.MAX_NUM_RANKS)):
+        what = f"{source}: bases[{i}]"
+        entry = expect_dict(entry, what)
+        base_dir = check_base_name(entry.get("dir"), what)
+        if base_dir in {b.dir for b in bases}:
+            raise MetadataError(f"{what} names {base_dir!r} a second time. {_FIX}")
+        bases.append(Base(base_dir, expect_str(entry.get("save_id"), f"{what}: save_id")))
+        for f, r in expect_dict(entry.get("files") or {}, f"{what}: files").items():
+            name = check_relative_name(f, (".safetensors",), source=what)
+            if "/" in name:
+                raise MetadataError(f"{what} lists the file {name!r}; a base's files are plain names. {_FIX}")
+            files[base_key(base_dir, name)] = FileRecord.from_json(f, r)
+    return bases
 
 
 _FIX = "The file is corrupt or not a shardkit checkpoint: load an earlier checkpoint."
@@ -252,11 +300,12 @@ def _check_version(source: str, obj: dict, expected_format: str) -> int | None:
     return version
 
 
-def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int | None) -> SavedTensor:
+def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int | None, bases: list[Base],
+                  files: dict[str, FileRecord]) -> SavedTensor:
     what = f"{source}: tensor {short_repr(name)}"
     raw = expect_dict(raw, what)
     if version in (CHUNKED_VERSION, COMPACT_VERSION):
-        return _chunked_tensor(source, name, raw, num_ranks, version)
+        return _chunked_tensor(source, name, raw, num_ranks, version, bases, files)
     shape = expect_list(raw.get("full_shape"), f"{what}: full_shape", max_items=knobs.MAX_TENSOR_NDIM)
     full_shape = tuple(expect_int(d, f"{what}: full_shape[{i}]") for i, d in enumerate(shape))
     shard_dim = raw.get("shard_dim")
@@ -279,7 +328,8 @@ def _saved_tensor(source: str, name: str, raw: Any, num_ranks: int, version: int
     return SavedTensor(spec, dtype, owner if spec.shard_dim is None else None)
 
 
-def _chunked_tensor(source: str, name: str, raw: dict, num_ranks: int, version: int) -> SavedTensor:
+def _chunked_tensor(source: str, name: str, raw: dict, num_ranks: int, version: int, bases: list[Base],
+                    files: dict[str, FileRecord]) -> SavedTensor:
     what = f"{source}: tensor {short_repr(name)}"
     shape = expect_list(raw.get("full_shape"), f"{what}: full_shape", max_items=knobs.MAX_TENSOR_NDIM)
     spec = TensorShardSpec(tuple(expect_int(d, f"{what}: full_shape[{i}]") for i, d in enumerate(shape)), None, ())
@@ -293,13 +343,44 @@ def _chunked_tensor(source: str, name: str, raw: dict, num_ranks: int, version: 
         chunks = parse_grid(source, name, raw["grid"], spec.full_shape, num_ranks)
     else:
         chunks = parse_chunks(source, name, raw.get("chunks"), spec.full_shape,
-                              itemsize_bytes(NAME_TO_DTYPE[dtype]), lambda f: _data_file(source, f, num_ranks))
+                              itemsize_bytes(NAME_TO_DTYPE[dtype]),
+                              lambda f, base: _chunk_file(source, f, base, num_ranks, bases, files))
     split_dim = raw.get("shard_dim")
     if split_dim is not None:
         split_dim = expect_int(split_dim, f"{what}: shard_dim", high=max(0, len(spec.full_shape) - 1))
         if not spec.full_shape:
             raise MetadataError(f"{what} is a scalar but has shard_dim {split_dim}. {_FIX}")
-    return SavedTensor(spec, dtype, None, chunks, split_dim)
+    return SavedTensor(spec, dtype, None, chunks, split_dim, _split_sizes(what, raw, spec, split_dim, num_ranks))
+
+
+def _split_sizes(what: str, raw: dict, spec: TensorShardSpec, split_dim: int | None,
+                 num_ranks: int) -> tuple[int, ...] | None:
+    """Version 3's optional ``shard_sizes`` of a split tensor without an element, checked."""
+    if raw.get("shard_sizes") is None:
+        return None
+    sizes = expect_list(raw["shard_sizes"], f"{what}: shard_sizes", max_items=num_ranks)
+    sizes = tuple(expect_int(s, f"{what}: shard_sizes[{i}]") for i, s in enumerate(sizes))
+    if split_dim is None or len(sizes) != num_ranks or sum(sizes) != spec.full_shape[split_dim] \
+            or math.prod(spec.full_shape):
+        raise MetadataError(f"{what} has shard_sizes {list(sizes)[:8]}; they are written only beside a shard_dim, "
+                            f"for a tensor without an element, one per rank ({num_ranks}), summing to that "
+                            f"dimension. {_FIX}")
+    return sizes
+
+
+def _chunk_file(source: str, file: Any, base: Any, num_ranks: int, bases: list[Base],
+                files: dict[str, FileRecord]) -> str:
+    """The key of a chunk's file: its own ``rank_<r>.safetensors``, or ``"<dir>/<file>"`` for ``"base": i``."""
+    if base is None:
+        return _data_file(source, file, num_ranks)
+    if isinstance(base, bool) or not isinstance(base, int) or not 0 <= base < len(bases):
+        raise MetadataError(f"{source} places a chunk in base {short_repr(base)}; the file lists "
+                            f"{len(bases)} bases (indexes 0..{len(bases) - 1}). {_FIX}")
+    key = base_key(bases[base].dir, check_relative_name(file, (".safetensors",), source=source))
+    if key not in files:
+        raise MetadataError(f"{source} places a chunk in {file!r} of base {bases[base].dir!r}, which its bases "
+                            f"entry does not record. {_FIX}")
+    return key
 
 
 def _data_file(source: str, file: Any, num_ranks: int) -> str:

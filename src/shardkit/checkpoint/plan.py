@@ -130,6 +130,8 @@ def split_spec(saved: SavedTensor, num_ranks: int) -> TensorShardSpec | None:
     dim, full = saved.split_dim, saved.spec.full_shape
     if dim is None or saved.chunks is None:
         return None
+    if saved.split_sizes is not None:      # a tensor without an element: no chunk tells its sizes
+        return TensorShardSpec(full, dim, saved.split_sizes)
     ordered = sorted(saved.chunks, key=lambda c: c.box.offsets[dim])
     ranks = [_file_rank(c.file) for c in ordered]
     single = all(c.box.sizes[d] == full[d] for c in ordered for d in range(len(full)) if d != dim)
@@ -155,6 +157,7 @@ def chunk_split_dim(saved: SavedTensor) -> int | None:
 
 
 def _file_rank(file: str) -> int:
+    file = file.rsplit("/", 1)[-1]   # a base's file (version 3) is keyed "<dir>/rank_<r>.safetensors"
     return int(file[len("rank_"):-len(".safetensors")])   # manifest.parse_manifest checked the name
 
 

@@ -4,7 +4,10 @@ It collects every problem it finds as a readable line instead of stopping at
 the first: a missing or unreadable ``metadata.json`` or rank manifest, an
 unknown version, shard sizes that do not sum, a missing, short or corrupt
 data file (every byte is re-hashed against its block checksums), and a
-header that does not match the metadata. Seed-format directories have no
+header that does not match the metadata. An incremental checkpoint (version
+3) is checked with the base files it references: each base must still be the
+checkpoint referenced, and the referenced files are hashed like its own.
+Seed-format directories have no
 checksums: their headers and sizes are still checked. It never modifies
 the directory.
 
@@ -25,6 +28,7 @@ from shardkit.checkpoint.manifest import Manifest, data_file_name, file_records
 from shardkit.checkpoint.compact_manifest import GridChunks, derived_ranges
 from shardkit.checkpoint.plan import chunks_by_file
 from shardkit.checkpoint.read_path import open_checkpoint
+from shardkit.checkpoint.references import check_base, data_path, split_key
 from shardkit.errors import CheckpointError
 from shardkit.layout import Box
 from shardkit.storage import FileRecord, Reader, SafetensorsHeader, new_block_hasher, read_header, storage_for
@@ -95,6 +99,7 @@ def validate_distributed(dir, *, hash_bytes: bool = True, progress=None) -> Vali
                     hash_bytes, dtypes)
         if progress is not None and name in records:
             progress(records[name].bytes, total_bytes)
+    _check_bases(storage, directory, m, records, report.problems, hash_bytes, dtypes, progress, total_bytes)
     report.problems += [f"{data_file_name(r)} is missing (rank {r}'s data file)" for r in missing[:_LISTED]]
     if len(missing) > _LISTED:
         report.problems.append(f"{len(missing) - _LISTED} more of the {m.num_ranks} data files are missing (ranks "
@@ -103,6 +108,27 @@ def validate_distributed(dir, *, hash_bytes: bool = True, progress=None) -> Vali
 
 
 _LISTED = 5
+
+
+def _check_bases(storage, directory: str, m: Manifest, records: dict[str, FileRecord], problems: list[str],
+                 hash_bytes: bool, dtypes: dict, progress, total_bytes: int) -> None:
+    """Version 3: each base still the one referenced, and every base file referenced checked as an own one."""
+    if not m.bases:
+        return
+    chunks = chunks_by_file(m.tensors)
+    for base in m.bases:
+        try:
+            check_base(storage, directory, base)
+        except (CheckpointError, OSError) as e:
+            problems.append(str(e))
+            continue
+        for key in sorted(k for k in records if split_key(k)[0] == base.dir):
+            digits = split_key(key)[1][len("rank_"):-len(".safetensors")]
+            rank = int(digits) if digits.isdigit() else -1   # for messages only
+            _check_file(storage, directory, m, rank, records[key], chunks.get(key, []), problems, hash_bytes,
+                        dtypes, name=key)
+            if progress is not None:
+                progress(records[key].bytes, total_bytes)
 
 
 def _present_names(storage, directory: str) -> set[str] | None:
@@ -125,9 +151,9 @@ def _missing(storage, directory: str, name: str, present: set[str] | None) -> bo
 
 def _check_file(storage, directory: str, m: Manifest, rank: int, record: FileRecord | None,
                 chunks: list[tuple[str, Box]], problems: list[str], hash_bytes: bool = True,
-                dtypes: dict | None = None) -> None:
-    name = data_file_name(rank)
-    path = storage.join(directory, name)
+                dtypes: dict | None = None, *, name: str | None = None) -> None:
+    name = data_file_name(rank) if name is None else name   # a base's file: its key, "<dir>/rank_<r>..."
+    path = data_path(storage, directory, name)
     try:
         with storage.open_reader(path) as reader:
             if record is not None and hash_bytes:

@@ -104,6 +104,7 @@ def _run_distributed(args) -> int:
         "files": {name: rec.bytes for name, rec in sorted(m.files.items())},
         "objects": encode_objects(m.objects),  # metadata.json's typed form: strict JSON, never ambiguous
         "user_metadata": m.user_metadata,
+        "bases": [b.dir for b in m.bases],   # version 3: the sibling checkpoints chunks are read from
         "problems": problems,
     }
     if args.json:
@@ -116,6 +117,8 @@ def _run_distributed(args) -> int:
     width = max((len(r["name"]) for r in rows), default=4)
     for r in rows:
         print(f"  {r['name']:<{width}}  {r['dtype']:<6} {str(r['shape']):<18} {r['split']}")
+    if m.bases:
+        print(f"incremental: reads unchanged chunks from {', '.join(b.dir for b in m.bases)} (beside it)")
     if m.files:
         print("files (as recorded in metadata.json):")
         for name, size in summary["files"].items():

@@ -208,6 +208,7 @@ def complete_kind(path) -> str | None:
 
 def _distributed_problems(path) -> list[str]:
     from shardkit.checkpoint.manifest import file_records, read_manifest
+    from shardkit.checkpoint.references import data_path
     from shardkit.storage import storage_for
 
     store, directory = storage_for(path)
@@ -217,7 +218,7 @@ def _distributed_problems(path) -> list[str]:
         return [str(e)]
     problems = []
     for name, record in records.items():
-        file_path = store.join(directory, name)
+        file_path = data_path(store, directory, name)   # a base's file (version 3) lies in a sibling
         size = store.size_bytes(file_path) if store.exists(file_path) else None
         if size != record.bytes:
             problems.append(f"{file_path} is {'missing' if size is None else f'{size} bytes'}; metadata.json "
