@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardkit.checkpoint import ShardMetadata, TensorShardSpec, save_distributed
-from shardkit.checkpoint.agreement import FIRST_STEP, agree, attempt, describe
-from shardkit.checkpoint.group import BROADCAST_SLOT_BYTES, EXCHANGE_OBSERVERS, broadcast_json, settle
+from shardkit.checkpoint.coordination.agreement import FIRST_STEP, agree, attempt, describe
+from shardkit.checkpoint.coordination.group import BROADCAST_SLOT_BYTES, EXCHANGE_OBSERVERS, broadcast_json, settle
 from shardkit.comm import Group
 from shardkit.errors import CheckpointBusyError, CheckpointError
 
@@ -152,7 +152,7 @@ def test_agree_without_a_group_runs_the_commit_here():
 
 
 def test_save_distributed_whose_commit_fails_on_rank0_fails_every_rank_and_commits_nothing(tmp_path, monkeypatch):
-    import shardkit.checkpoint.chunked_save as save_module   # the one engine save_distributed commits through
+    import shardkit.checkpoint.saving.chunked_save as save_module   # the one engine save_distributed commits through
 
     def no_commit(*a, **k):
         raise OSError("no space left for metadata.json")

@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import threading
 
-import importlib
 
 import pytest
 import torch
 
-async_save = importlib.import_module("shardkit.checkpoint.async_save")  # the module (the package attribute is the function)
-from shardkit.checkpoint.async_save import AsyncCheckpointer, AsyncWaitTimeout, CheckpointFuture
+import shardkit.checkpoint.background.checkpointer as async_save
+from shardkit.checkpoint.background.checkpointer import AsyncCheckpointer, AsyncWaitTimeout, CheckpointFuture
 from shardkit.errors import AsyncCheckpointError, CheckpointError
 
 
@@ -373,7 +372,7 @@ def test_host_copier_chunks_and_falls_back_bit_exact(monkeypatch):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_host_copier_copies_every_byte_of_mixed_sizes(monkeypatch, threads):
     from shardkit import knobs
-    from shardkit.checkpoint.staging import copy_host
+    from shardkit.checkpoint.background.staging import copy_host
 
     monkeypatch.setattr(knobs, "IO_CHUNK_BYTES", 4096)
     monkeypatch.setattr(knobs, "IO_THREADS", threads)

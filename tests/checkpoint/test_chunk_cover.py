@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardkit.checkpoint.chunks import Chunk, check_cover
+from shardkit.checkpoint.format.chunks import Chunk, check_cover
 from shardkit.errors import MetadataError
 
 

@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
 from shardkit.checkpoint import save
-from shardkit.checkpoint.compact_layout import (
+from shardkit.checkpoint.planning.compact_layout import (
     Description, MeshInfo, TensorLayout, prediction_trusted, shard_coordinates,
 )
-from shardkit.checkpoint.dtensor_layout import placement_code
-from shardkit.checkpoint.group import EXCHANGE_OBSERVERS
-from shardkit.checkpoint.writer_choice import full_plan, own_writes
+from shardkit.checkpoint.planning.dtensor_layout import placement_code
+from shardkit.checkpoint.coordination.group import EXCHANGE_OBSERVERS
+from shardkit.checkpoint.planning.writer_choice import full_plan, own_writes
 from shardkit.comm import Group
 from shardkit.errors import CheckpointError, TensorMismatchError
 from shardkit.layout import Box, whole_box
@@ -173,7 +173,7 @@ def test_an_agreed_state_saves_in_three_rounds_of_a_gather_and_a_broadcast(tmp_p
 
 
 def test_rank_0_refuses_a_file_that_is_not_the_planned_one():
-    from shardkit.checkpoint.chunked_save import _check_written, _file_metadata, _header_digest
+    from shardkit.checkpoint.saving.chunked_save import _check_written, _file_metadata, _header_digest
     from shardkit.errors import MetadataError
     from shardkit.storage import BlockHasher, file_layout
 

@@ -32,7 +32,7 @@ import crash_child
 from state_leaves import leaves
 from crash_child import make_state, spec
 from shardkit.checkpoint import load_distributed, save_distributed, validate_distributed
-from shardkit.checkpoint.async_save import AsyncCheckpointer
+from shardkit.checkpoint.background.checkpointer import AsyncCheckpointer
 from shardkit.errors import CheckpointError, IncompleteCheckpointError, MissingShardError
 
 #: (case id, world size, kill point) -- see crash_child for the kill points.

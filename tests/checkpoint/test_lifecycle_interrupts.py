@@ -3,7 +3,6 @@ diverged run reports, a failure nobody waited for, and the background group's de
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import os
@@ -17,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-import shardkit.checkpoint.chunked_save as chunked_save
-import shardkit.checkpoint.manager as manager_module
+import shardkit.checkpoint.saving.chunked_save as chunked_save
+import shardkit.checkpoint.manager.checkpoint_manager as manager_module
 from ranks import run_ranks
 from shardkit.checkpoint import AsyncCheckpointer, CheckpointManager, ShardMetadata, load_consolidated
 from shardkit.errors import MetadataError
 
-async_save_module = importlib.import_module("shardkit.checkpoint.async_save")  # the package's name is a function
+import shardkit.checkpoint.background.checkpointer as async_save_module
 
 
 class _Interrupted(BaseException):
@@ -131,7 +130,7 @@ def test_metrics_of_a_diverged_run_are_kept_and_bad_ones_refused_before_anything
 
 CHILD = """
 import sys
-import shardkit.checkpoint.chunked_save as cs
+import shardkit.checkpoint.saving.chunked_save as cs
 from shardkit.checkpoint import CheckpointManager
 import torch
 

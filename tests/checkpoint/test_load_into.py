@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 from ckpt_helpers import bits_equal, rank_slice, save_full
 from shardkit import knobs
 from shardkit.checkpoint import ShardMetadata, TensorShardSpec, compute_shard_sizes, load_distributed, save_distributed
-from shardkit.checkpoint.execute import OpenFiles, run_loads
-from shardkit.checkpoint.manifest import file_records, read_manifest
-from shardkit.checkpoint.plan import plan_load, wanted_box
+from shardkit.checkpoint.loading.execute import OpenFiles, run_loads
+from shardkit.checkpoint.format.manifest import file_records, read_manifest
+from shardkit.checkpoint.planning.plan import plan_load, wanted_box
 from shardkit.errors import ChecksumError, TensorMismatchError
 from shardkit.storage import storage_for
 

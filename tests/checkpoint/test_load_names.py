@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardkit.checkpoint.load_names import LoadOptions, plan_names
+from shardkit.checkpoint.planning.load_names import LoadOptions, plan_names
 from shardkit.errors import TensorMismatchError
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardkit.checkpoint import CheckpointManager, validate_distributed
-from shardkit.checkpoint.ownership import OWNER_FILE
+from shardkit.checkpoint.format.ownership import OWNER_FILE
 from shardkit.errors import CheckpointError, CheckpointExistsError, MetadataError
 
 
@@ -114,7 +114,7 @@ def test_only_canonical_step_names_count(tmp_path):
 
 
 def test_second_save_waits_for_the_first(tmp_path, monkeypatch):
-    import shardkit.checkpoint.chunked_save as chunked_save
+    import shardkit.checkpoint.saving.chunked_save as chunked_save
 
     real, calls = chunked_save.write_safetensors, []
 

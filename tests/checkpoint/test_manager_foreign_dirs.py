@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from shardkit.checkpoint import CheckpointManager, save
-from shardkit.checkpoint.ownership import OWNER_FILE
+from shardkit.checkpoint.format.ownership import OWNER_FILE
 from shardkit.errors import CheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -57,7 +57,7 @@ def _torchtitan_folder(root) -> dict[str, str]:
 @pytest.mark.parametrize("async_save", [True, False])
 def test_rotation_leaves_other_tools_steps_and_user_files_alone(tmp_path, caplog, async_save):
     theirs = _torchtitan_folder(tmp_path)
-    caplog.set_level(logging.WARNING, logger="shardkit.checkpoint.manager")
+    caplog.set_level(logging.WARNING, logger="shardkit.checkpoint.manager.checkpoint_manager")
     with CheckpointManager(tmp_path, keep_last=1, async_save=async_save) as mgr:
         for step in (11, 12, 13):
             mgr.save(step, _state(step))

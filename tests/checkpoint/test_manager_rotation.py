@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from shardkit.checkpoint.manager_rotation import steps_to_remove
-from shardkit.checkpoint.ownership import foreign_names, is_own_name
+from shardkit.checkpoint.manager.rotation import steps_to_remove
+from shardkit.checkpoint.format.ownership import foreign_names, is_own_name
 from shardkit.storage import temp_name
 
 

@@ -3,7 +3,7 @@
 import torch
 
 import shardkit.checkpoint as ckpt
-import shardkit.checkpoint.read_path as open_checkpoint_module
+import shardkit.checkpoint.loading.read_path as open_checkpoint_module
 from shardkit.hf.convert import distributed_to_hf
 from shardkit.storage.local import LocalStorage
 

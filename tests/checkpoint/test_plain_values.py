@@ -22,8 +22,8 @@ from ranks import run_ranks
 from shardkit import knobs
 from shardkit.checkpoint import (CheckpointManager, ShardMetadata, TensorShardSpec, async_save, load,
                                  load_consolidated, load_distributed, read_metadata, save, save_distributed)
-from shardkit.checkpoint.manifest import Manifest, manifest_to_json, parse_manifest
-from shardkit.checkpoint.nested import flatten, unflatten
+from shardkit.checkpoint.format.manifest import Manifest, manifest_to_json, parse_manifest
+from shardkit.checkpoint.format.nested import flatten, unflatten
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.storage.plain_values import NUMPY_SCALAR_DTYPES
 

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from shardkit.checkpoint.manifest import Manifest, SavedTensor, manifest_to_json, parse_manifest
-from shardkit.checkpoint.nested import flatten, select_names, unflatten
-from shardkit.checkpoint.plan import plan_load, spec_chunk_plan, wanted_box
-from shardkit.checkpoint.spec import TensorShardSpec
+from shardkit.checkpoint.format.manifest import Manifest, SavedTensor, manifest_to_json, parse_manifest
+from shardkit.checkpoint.format.nested import flatten, select_names, unflatten
+from shardkit.checkpoint.planning.plan import plan_load, spec_chunk_plan, wanted_box
+from shardkit.checkpoint.format.spec import TensorShardSpec
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box
 

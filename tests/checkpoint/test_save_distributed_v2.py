@@ -10,7 +10,7 @@ import torch
 from ckpt_helpers import save_full_v1
 from shardkit.checkpoint import (ShardMetadata, TensorShardSpec, load_consolidated, load_distributed, read_metadata,
                                  save_distributed, validate_distributed)
-from shardkit.checkpoint.plan import split_spec
+from shardkit.checkpoint.planning.plan import split_spec
 from shardkit.offline import reshard_checkpoint
 
 W = torch.arange(40.0).reshape(10, 4)

@@ -11,7 +11,6 @@ kernel call unavailable or the knob off, the copies are the same.
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, TensorShardSpe
 from shardkit.checkpoint import staging
 from shardkit.storage.prefault import PAGE_BYTES
 
-async_save = importlib.import_module("shardkit.checkpoint.async_save")
+import shardkit.checkpoint.background.checkpointer as async_save
 
 
 def _state(seed: int = 0) -> dict:

@@ -18,12 +18,12 @@ import torch
 
 from shardkit import knobs
 from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, load_distributed, staging
-from shardkit.checkpoint.staging_reserve import StagingReserve
+from shardkit.checkpoint.background.staging_reserve import StagingReserve
 from shardkit.errors import AsyncCheckpointError
 from shardkit.storage.prefault import PAGE_BYTES
 
-async_save = importlib.import_module("shardkit.checkpoint.async_save")
-staging_reserve = importlib.import_module("shardkit.checkpoint.staging_reserve")
+import shardkit.checkpoint.background.checkpointer as async_save
+import shardkit.checkpoint.background.staging_reserve as staging_reserve
 SPEC = ShardMetadata(num_ranks=1, tensor_specs={})
 
 

@@ -37,7 +37,7 @@ def ctx():
 
 def _save_held_mid_write(directory, value, started, release) -> None:
     """Save 1 rank, stopping inside the data file write until ``release`` is released."""
-    import shardkit.checkpoint.chunked_save as save_module   # the engine save_distributed writes through
+    import shardkit.checkpoint.saving.chunked_save as save_module   # the engine save_distributed writes through
 
     hold_writes(save_module, started, release, HANG_GUARD_S)
     save_distributed({"w": torch.full((4,), float(value)), "step": value}, directory, 0, 1, None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from shardkit.bench.scale_bench import format_scale_table, measure, measure_as
 from shardkit.bench.scale_processes import measure_processes
-from shardkit.checkpoint.chunked_save import ROUND_SLOTS
+from shardkit.checkpoint.saving.chunked_save import ROUND_SLOTS
 
 #: Each round of a save is a gather to rank 0 and a broadcast of its verdict.
 COLLECTIVES_PER_SAVE = 2 * len(ROUND_SLOTS)

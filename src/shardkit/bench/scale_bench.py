@@ -99,7 +99,7 @@ def save_counted(groups, tensors: int, directory: str, join_timeout_s: float = 3
     """Save on every group of ``groups`` (one thread each); rank 0's bytes received and sent, collectives
     and times."""
     from shardkit.checkpoint import save
-    from shardkit.checkpoint.group import EXCHANGE_OBSERVERS
+    from shardkit.checkpoint.coordination.group import EXCHANGE_OBSERVERS
 
     counted = {"rank0_recv_bytes": 0, "rank0_sent_bytes": 0, "rank0_collectives": 0, "rank0_exchanges": 0}
     lock = threading.Lock()
@@ -133,8 +133,8 @@ def save_counted(groups, tensors: int, directory: str, join_timeout_s: float = 3
 def exchanges_only(groups, join_timeout_s: float = 300.0) -> float:
     """Wall seconds of a save's 3 rounds (gather a tiny status to rank 0, broadcast its verdict) in the
     save's own slots, on every group of ``groups``."""
-    from shardkit.checkpoint.agreement import agree
-    from shardkit.checkpoint.chunked_save import ROUND_SLOTS
+    from shardkit.checkpoint.coordination.agreement import agree
+    from shardkit.checkpoint.saving.chunked_save import ROUND_SLOTS
 
     def one(g):
         for step, slot_bytes in ROUND_SLOTS:

@@ -63,7 +63,7 @@ def _timed_between_barriers(fn) -> tuple[float, float]:
 
 def _save_counted(rank: int, tensors: int, directory: str) -> dict:
     from shardkit.checkpoint import save
-    from shardkit.checkpoint.group import EXCHANGE_OBSERVERS
+    from shardkit.checkpoint.coordination.group import EXCHANGE_OBSERVERS
 
     counted = {"rank0_recv_bytes": 0, "rank0_sent_bytes": 0, "rank0_collectives": 0, "rank0_exchanges": 0}
 
@@ -94,9 +94,9 @@ def _save_counted(rank: int, tensors: int, directory: str) -> dict:
 def _exchanges_wall(rank: int, world_size: int) -> float:
     import torch.distributed as dist
 
-    from shardkit.checkpoint.agreement import agree
-    from shardkit.checkpoint.chunked_save import ROUND_SLOTS
-    from shardkit.checkpoint.group import resolve_group
+    from shardkit.checkpoint.coordination.agreement import agree
+    from shardkit.checkpoint.saving.chunked_save import ROUND_SLOTS
+    from shardkit.checkpoint.coordination.group import resolve_group
 
     coordinator = resolve_group(dist.group.WORLD, rank, world_size)
 

@@ -37,16 +37,16 @@ import weakref
 
 import torch.distributed as dist
 
-from shardkit.checkpoint.background_group import dedicated_gloo_group
-from shardkit.checkpoint.future import CheckpointFuture
-from shardkit.checkpoint.chunked_save import prepare, write_and_commit
-from shardkit.checkpoint.group import resolve_group
-from shardkit.checkpoint.load_names import LoadOptions
+from shardkit.checkpoint.background.group import dedicated_gloo_group
+from shardkit.checkpoint.background.future import CheckpointFuture
+from shardkit.checkpoint.saving.chunked_save import prepare, write_and_commit
+from shardkit.checkpoint.coordination.group import resolve_group
+from shardkit.checkpoint.planning.load_names import LoadOptions
 from shardkit.checkpoint.load_source import load_from_source
 from shardkit.checkpoint.logs import logged
-from shardkit.checkpoint.shutdown import join_at_exit
-from shardkit.checkpoint.staging import stage
-from shardkit.checkpoint.staging_reserve import StagingReserve
+from shardkit.checkpoint.background.shutdown import join_at_exit
+from shardkit.checkpoint.background.staging import stage
+from shardkit.checkpoint.background.staging_reserve import StagingReserve
 from shardkit.errors import AsyncCheckpointError
 from shardkit.sources.base import open_source
 from shardkit.storage import storage_for

@@ -29,8 +29,8 @@ from typing import Dict, Optional, Union
 
 import torch
 
-from shardkit.checkpoint.read_path import open_checkpoint
-from shardkit.checkpoint.validate import data_problems
+from shardkit.checkpoint.loading.read_path import open_checkpoint
+from shardkit.checkpoint.loading.validate import data_problems
 from shardkit.dtypes import from_safetensors_name
 from shardkit.layout import whole_box
 from shardkit.errors import IncompleteCheckpointError, MetadataError, TensorMismatchError
@@ -194,7 +194,7 @@ def hf_to_distributed(
     raises ``TensorMismatchError``.
     """
     from shardkit.checkpoint import save_distributed
-    from shardkit.checkpoint.spec import as_spec_dict, check_world
+    from shardkit.checkpoint.format.spec import as_spec_dict, check_world
     from shardkit.hf.directory import get_checkpoint_metadata
 
     check_world(0, world_size)

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from shardkit.checkpoint.rank_state import PREFIX as RANK_STATE_PREFIX
+from shardkit.checkpoint.format.rank_state import PREFIX as RANK_STATE_PREFIX
 from shardkit.errors import TensorMismatchError
 from shardkit.hf.index import plan_shards, shard_file_name
 

@@ -30,10 +30,10 @@ from typing import Dict, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from shardkit.checkpoint.agreement import agree, attempt, describe
+from shardkit.checkpoint.coordination.agreement import agree, attempt, describe
 from shardkit.checkpoint.api import resolve_world
-from shardkit.checkpoint.dtensor_layout import is_dtensor, local_box
-from shardkit.checkpoint.group import exchange
+from shardkit.checkpoint.planning.dtensor_layout import is_dtensor, local_box
+from shardkit.checkpoint.coordination.group import exchange
 from shardkit.dtypes import itemsize_bytes
 from shardkit.errors import TensorMismatchError
 from shardkit.hf.export_plan import ExportPlan, out_dtype, plan_export

@@ -18,7 +18,7 @@ from typing import List
 from torch import Tensor
 from torch.nn import Module
 
-from shardkit.checkpoint.dtensor_layout import is_dtensor
+from shardkit.checkpoint.planning.dtensor_layout import is_dtensor
 from shardkit.errors import TensorMismatchError
 from shardkit.storage.destinations import memory_identity
 

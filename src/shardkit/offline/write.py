@@ -63,9 +63,9 @@ def _write_distributed(tmp: str, world_size: int, entries: dict, fill, objects: 
     ``entries``: name -> (dtype, TensorShardSpec of the new layout); ``fill(name, offsets, out)``
     reads that box of ``name`` into ``out``. The next chunk is read while the current one is written
     (:class:`~shardkit.offline.readahead.ReadAhead`)."""
-    from shardkit.checkpoint.chunked_save import Prepared, commit, write_data_file
-    from shardkit.checkpoint.manifest import data_file_name
-    from shardkit.checkpoint.plan import spec_chunk_plan
+    from shardkit.checkpoint.saving.chunked_save import Prepared, commit, write_data_file
+    from shardkit.checkpoint.format.manifest import data_file_name
+    from shardkit.checkpoint.planning.plan import spec_chunk_plan
     from shardkit.dtypes import to_safetensors_name
 
     storage, root = storage_for(tmp)
@@ -130,8 +130,8 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
 
     >>> reshard_checkpoint("ckpt/step-100", "ckpt/step-100-ws3", world_size=3)
     """
-    from shardkit.checkpoint.plan import chunk_split_dim
-    from shardkit.checkpoint.spec import TensorShardSpec
+    from shardkit.checkpoint.planning.plan import chunk_split_dim
+    from shardkit.checkpoint.format.spec import TensorShardSpec
     from shardkit.layout import compute_shard_sizes
     from shardkit.sources import open_source
 
@@ -253,7 +253,7 @@ def export_distributed(src: str, dst: str, *, kind: Optional[str] = None, dtype:
 
     >>> export_distributed("dcp_ckpt", "ckpt/imported")
     """
-    from shardkit.checkpoint.spec import TensorShardSpec
+    from shardkit.checkpoint.format.spec import TensorShardSpec
     from shardkit.sources import open_source
 
     with open_source(src, kind) as source:
@@ -275,7 +275,7 @@ def _leaf_objects(src: str, tensor_names: list, objects: dict, structure) -> tup
     A source without a structure (DCP, HF) may hold a list, tuple or dict as
     one value (DCP keeps AdamW's ``optim.param_groups.0.betas`` whole); the
     manifest holds only plain leaves, so the names and values are flattened
-    by :func:`~shardkit.checkpoint.nested.flatten` (``...betas.0``,
+    by :func:`~shardkit.checkpoint.format.nested.flatten` (``...betas.0``,
     ``...betas.1``) and its structure keeps each source name as one
     top-level key: a load gives back the source's names, each value as it
     was (a tuple as a tuple). A source with a structure (shardkit's own) is
@@ -284,7 +284,7 @@ def _leaf_objects(src: str, tensor_names: list, objects: dict, structure) -> tup
     >>> _leaf_objects("ck", ["w"], {"b": (0.9, 0.99)}, None)[0]
     {'b.0': 0.9, 'b.1': 0.99}
     """
-    from shardkit.checkpoint.nested import flatten
+    from shardkit.checkpoint.format.nested import flatten
 
     if structure is not None or not objects:
         return objects, structure

@@ -207,7 +207,7 @@ def complete_kind(path) -> str | None:
 
 
 def _distributed_problems(path) -> list[str]:
-    from shardkit.checkpoint.manifest import file_records, read_manifest
+    from shardkit.checkpoint.format.manifest import file_records, read_manifest
     from shardkit.storage import storage_for
 
     store, directory = storage_for(path)

@@ -25,11 +25,11 @@ from typing import Any, Mapping
 
 import torch
 
-from shardkit.checkpoint.chunks import Chunk
-from shardkit.checkpoint.execute import OpenFiles, check_chunks, run_loads, scratch_elems_of
-from shardkit.checkpoint.manifest import SavedTensor
-from shardkit.checkpoint.plan import plan_load
-from shardkit.checkpoint.spec import TensorShardSpec
+from shardkit.checkpoint.format.chunks import Chunk
+from shardkit.checkpoint.loading.execute import OpenFiles, check_chunks, run_loads, scratch_elems_of
+from shardkit.checkpoint.format.manifest import SavedTensor
+from shardkit.checkpoint.planning.plan import plan_load
+from shardkit.checkpoint.format.spec import TensorShardSpec
 from shardkit.dtypes import from_safetensors_name, to_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box, whole_box

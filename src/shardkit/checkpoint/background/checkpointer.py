@@ -84,12 +84,12 @@ import threading
 import torch
 
 from shardkit.checkpoint.api import start_background_work
-from shardkit.checkpoint.background_group import dedicated_gloo_group
-from shardkit.checkpoint.distributed_save import check_may_overwrite, report_failed_save, save_distributed
-from shardkit.checkpoint.future import CheckpointFuture
-from shardkit.checkpoint.nested import flatten
-from shardkit.checkpoint.staging import stage
-from shardkit.checkpoint.staging_reserve import StagingReserve
+from shardkit.checkpoint.background.group import dedicated_gloo_group
+from shardkit.checkpoint.saving.distributed_save import check_may_overwrite, report_failed_save, save_distributed
+from shardkit.checkpoint.background.future import CheckpointFuture
+from shardkit.checkpoint.format.nested import flatten
+from shardkit.checkpoint.background.staging import stage
+from shardkit.checkpoint.background.staging_reserve import StagingReserve
 from shardkit.errors import AsyncCheckpointError, AsyncWaitTimeout
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]

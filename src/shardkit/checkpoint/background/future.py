@@ -1,6 +1,6 @@
 """``CheckpointFuture``: the outcome of one background save, shared by every way of starting one.
 
-:class:`~shardkit.checkpoint.async_save.AsyncCheckpointer`, the functional
+:class:`~shardkit.checkpoint.background.checkpointer.AsyncCheckpointer`, the functional
 ``async_save`` and ``CheckpointManager`` hand one out per save; the thread
 that writes calls :meth:`CheckpointFuture.finish` once, last. It runs nothing itself.
 

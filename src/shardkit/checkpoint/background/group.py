@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from shardkit.checkpoint.shutdown import destroy_at_exit
+from shardkit.checkpoint.background.shutdown import destroy_at_exit
 from shardkit.comm import Group
 from shardkit.comm.process_group_view import process_group_timeout
 from shardkit.errors import AsyncCheckpointError

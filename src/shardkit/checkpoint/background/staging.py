@@ -1,6 +1,6 @@
 """Staging: copy a state's tensor leaves into reusable CPU buffers, fast.
 
-Used by :class:`~shardkit.checkpoint.async_save.AsyncCheckpointer` on the
+Used by :class:`~shardkit.checkpoint.background.checkpointer.AsyncCheckpointer` on the
 caller's thread, so this is the part of a background save the caller waits
 for. Host tensors are copied in chunks on a few threads (non-temporal
 stores where ``storage.memcopy`` has them, else ``memmove``); CUDA

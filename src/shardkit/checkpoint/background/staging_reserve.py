@@ -35,7 +35,7 @@ from typing import Collection
 import torch
 
 from shardkit import knobs
-from shardkit.checkpoint.staging import buffer_for, map_leaves
+from shardkit.checkpoint.background.staging import buffer_for, map_leaves
 from shardkit.storage.prefault import PAGE_BYTES, populate_for_write
 
 __all__ = ["StagingReserve"]

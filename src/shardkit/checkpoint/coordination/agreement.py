@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from shardkit.checkpoint.group import SLOT_BYTES, settle
+from shardkit.checkpoint.coordination.group import SLOT_BYTES, settle
 from shardkit.errors import CheckpointBusyError, CheckpointError
 
 __all__ = ["FIRST_STEP", "agree", "attempt", "describe"]

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit import knobs
-from shardkit.checkpoint.chunks import Chunk, chunks_to_json, parse_chunks
-from shardkit.checkpoint.nested import check_structure
-from shardkit.checkpoint.rank_state import is_rank_state_name
-from shardkit.checkpoint.spec import TensorShardSpec, check_spec
+from shardkit.checkpoint.format.chunks import Chunk, chunks_to_json, parse_chunks
+from shardkit.checkpoint.format.nested import check_structure
+from shardkit.checkpoint.format.rank_state import is_rank_state_name
+from shardkit.checkpoint.format.spec import TensorShardSpec, check_spec
 from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError, TensorMismatchError
 from shardkit.storage import FileRecord, Storage, check_relative_name, parse_json_object
@@ -59,7 +59,7 @@ __all__ = [
 FORMAT = "shardkit.distributed"
 RANK_FORMAT = "shardkit.distributed.rank"
 FORMAT_VERSION = 1
-CHUNKED_VERSION = 2          # every tensor described by its chunks (checkpoint/chunks.py, docs/format.md)
+CHUNKED_VERSION = 2          # every tensor described by its chunks (checkpoint/format/chunks.py, docs/format.md)
 SUPPORTED_VERSIONS = (1, 2)
 METADATA_FILE = "metadata.json"
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from shardkit.checkpoint.manifest import FORMAT, METADATA_FILE, read_manifest, write_json
+from shardkit.checkpoint.format.manifest import FORMAT, METADATA_FILE, read_manifest, write_json
 from shardkit.errors import MetadataError
 from shardkit.storage import Storage, is_lock_name, is_temp_name
 

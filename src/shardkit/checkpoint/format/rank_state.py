@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from shardkit.checkpoint.nested import flatten
+from shardkit.checkpoint.format.nested import flatten
 from shardkit.dtypes import to_safetensors_name
 from shardkit.errors import TensorMismatchError
 from shardkit.layout import Box

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from shardkit.checkpoint.nested import flatten
+from shardkit.checkpoint.format.nested import flatten
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import compute_shard_sizes
 

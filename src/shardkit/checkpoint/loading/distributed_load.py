@@ -70,13 +70,13 @@ from typing import Sequence
 
 import torch
 
-from shardkit.checkpoint.load_into import load_into
+from shardkit.checkpoint.loading.load_into import load_into
 from shardkit.checkpoint.logs import logged
-from shardkit.checkpoint.manifest import Manifest, read_manifest
-from shardkit.checkpoint.nested import select_names, unflatten
-from shardkit.checkpoint.read_path import open_checkpoint
-from shardkit.checkpoint.plan import wanted_box
-from shardkit.checkpoint.spec import check_world
+from shardkit.checkpoint.format.manifest import Manifest, read_manifest
+from shardkit.checkpoint.format.nested import select_names, unflatten
+from shardkit.checkpoint.loading.read_path import open_checkpoint
+from shardkit.checkpoint.planning.plan import wanted_box
+from shardkit.checkpoint.format.spec import check_world
 from shardkit.errors import MetadataError
 from shardkit.layout import whole_box
 from shardkit.storage import storage_for

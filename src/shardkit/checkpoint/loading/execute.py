@@ -27,8 +27,8 @@ import torch
 from shardkit import knobs
 from shardkit.dtypes import from_safetensors_name, to_safetensors_name
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError, TensorMismatchError
-from shardkit.checkpoint.manifest import Manifest, SavedTensor, file_records
-from shardkit.checkpoint.plan import ChunkRead, TensorLoad, nonempty_chunk_files, overlapping_saved_chunks
+from shardkit.checkpoint.format.manifest import Manifest, SavedTensor, file_records
+from shardkit.checkpoint.planning.plan import ChunkRead, TensorLoad, nonempty_chunk_files, overlapping_saved_chunks
 from shardkit.layout import Box
 from shardkit.storage import (
     FileRecord,

@@ -2,13 +2,13 @@
 
 Like ``torch.distributed.checkpoint.load(state_dict)`` and
 ``module.load_state_dict``: each tensor leaf of ``out`` (named by its dotted
-path, as :func:`~shardkit.checkpoint.nested.flatten` names it) receives this
+path, as :func:`~shardkit.checkpoint.format.nested.flatten` names it) receives this
 rank's slice of the saved tensor of that name, in place, so resuming training
 needs no second copy of the state. Contiguous CPU tensors are read into
 directly (``execute.run_loads`` with ``outputs``); GPU and non-contiguous ones
 through temporary CPU tensors, at most ``knobs.LOAD_STAGE_BYTES`` of them at
 a time, then ``copy_`` (the fill engine every in-place load shares,
-``checkpoint/fill.py``). Plain leaves that the checkpoint also holds are
+``checkpoint/loading/fill.py``). Plain leaves that the checkpoint also holds are
 replaced in their container (a tuple is rebuilt, since it cannot change).
 
 Every name, shape, dtype and file header is checked before any tensor byte
@@ -34,12 +34,12 @@ from typing import Any, Mapping
 
 import torch
 
-from shardkit.checkpoint.execute import check_chunks, check_plans, run_loads, saved_dtype, scratch_elems_of
-from shardkit.checkpoint.fill import fill
-from shardkit.checkpoint.manifest import Manifest
-from shardkit.checkpoint.nested import join_name, select_names
-from shardkit.checkpoint.plan import plan_load, wanted_box
-from shardkit.checkpoint.read_path import OpenCheckpoint
+from shardkit.checkpoint.loading.execute import check_chunks, check_plans, run_loads, saved_dtype, scratch_elems_of
+from shardkit.checkpoint.loading.fill import fill
+from shardkit.checkpoint.format.manifest import Manifest
+from shardkit.checkpoint.format.nested import join_name, select_names
+from shardkit.checkpoint.planning.plan import plan_load, wanted_box
+from shardkit.checkpoint.loading.read_path import OpenCheckpoint
 from shardkit.errors import TensorMismatchError
 from shardkit.layout import Box
 from shardkit.storage.destinations import shared_destinations

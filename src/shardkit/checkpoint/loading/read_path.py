@@ -23,9 +23,9 @@ from typing import Sequence
 
 import torch
 
-from shardkit.checkpoint.execute import OpenFiles, check_chunks, run_loads, saved_dtype, scratch_elems_of
-from shardkit.checkpoint.manifest import Manifest, read_manifest
-from shardkit.checkpoint.plan import plan_load
+from shardkit.checkpoint.loading.execute import OpenFiles, check_chunks, run_loads, saved_dtype, scratch_elems_of
+from shardkit.checkpoint.format.manifest import Manifest, read_manifest
+from shardkit.checkpoint.planning.plan import plan_load
 from shardkit.errors import TensorMismatchError
 from shardkit.layout import Box
 from shardkit.storage import FileRecord, storage_for

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from shardkit import knobs
 from shardkit.checkpoint.logs import logged
-from shardkit.checkpoint.manifest import Manifest, data_file_name, file_records
-from shardkit.checkpoint.plan import chunks_by_file
-from shardkit.checkpoint.read_path import open_checkpoint
+from shardkit.checkpoint.format.manifest import Manifest, data_file_name, file_records
+from shardkit.checkpoint.planning.plan import chunks_by_file
+from shardkit.checkpoint.loading.read_path import open_checkpoint
 from shardkit.errors import CheckpointError
 from shardkit.layout import Box
 from shardkit.storage import FileRecord, Reader, SafetensorsHeader, new_block_hasher, read_header, storage_for

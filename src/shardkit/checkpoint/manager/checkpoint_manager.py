@@ -66,15 +66,15 @@ from shardkit.checkpoint.api import (
     background_coordinator, load, release_staging, reserve_staging, resolve_world, stage_for_background,
     start_background,
 )
-from shardkit.checkpoint.chunked_save import prepare, write_and_commit
-from shardkit.checkpoint.group import rank0_decides
-from shardkit.checkpoint.manager_metrics import encode_metrics, parse_best
-from shardkit.checkpoint.manager_rotation import (
+from shardkit.checkpoint.saving.chunked_save import prepare, write_and_commit
+from shardkit.checkpoint.coordination.group import rank0_decides
+from shardkit.checkpoint.manager.metrics import encode_metrics, parse_best
+from shardkit.checkpoint.manager.rotation import (
     NOT_COMPLETE, STEP_DIR, own_step_complete, remove_step, remove_step_dir, save_problem, step_dir_name,
     steps_to_remove,
 )
-from shardkit.checkpoint.manifest import read_manifest
-from shardkit.checkpoint.ownership import mark_owned, owned_listing, sample_names
+from shardkit.checkpoint.format.manifest import read_manifest
+from shardkit.checkpoint.format.ownership import mark_owned, owned_listing, sample_names
 from shardkit.errors import (
     AsyncWaitTimeout, CheckpointError, CheckpointExistsError, MetadataError,
 )

@@ -16,8 +16,8 @@ import contextlib
 import re
 from typing import Callable
 
-from shardkit.checkpoint.manifest import METADATA_FILE, file_records, read_manifest
-from shardkit.checkpoint.ownership import foreign_names, is_own_name, sample_names
+from shardkit.checkpoint.format.manifest import METADATA_FILE, file_records, read_manifest
+from shardkit.checkpoint.format.ownership import foreign_names, is_own_name, sample_names
 from shardkit.errors import IncompleteCheckpointError, MetadataError
 from shardkit.storage import Storage, is_temp_name
 

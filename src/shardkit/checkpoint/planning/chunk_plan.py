@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from shardkit.checkpoint.chunks import Chunk, check_cover
+from shardkit.checkpoint.format.chunks import Chunk, check_cover
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box
 

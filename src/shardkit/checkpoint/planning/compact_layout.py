@@ -37,8 +37,8 @@ from functools import cached_property
 import torch
 import xxhash
 
-from shardkit.checkpoint.chunks import Chunk, check_cover
-from shardkit.checkpoint.dtensor_layout import (
+from shardkit.checkpoint.format.chunks import Chunk, check_cover
+from shardkit.checkpoint.planning.dtensor_layout import (
     is_dtensor, is_known_placement, is_shard, placement_code, predicted_box, tiles_by_construction,
 )
 from shardkit.dtypes import NAME_TO_DTYPE, to_safetensors_name

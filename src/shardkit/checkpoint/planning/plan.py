@@ -26,10 +26,10 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Container, Iterator, Mapping
 
-from shardkit.checkpoint.chunk_plan import ChunkedTensor, ChunkPlan
-from shardkit.checkpoint.manifest import SavedTensor, data_file_name
-from shardkit.checkpoint.spec import TensorShardSpec
-from shardkit.checkpoint.writer_choice import spread_by_bytes
+from shardkit.checkpoint.planning.chunk_plan import ChunkedTensor, ChunkPlan
+from shardkit.checkpoint.format.manifest import SavedTensor, data_file_name
+from shardkit.checkpoint.format.spec import TensorShardSpec
+from shardkit.checkpoint.planning.writer_choice import spread_by_bytes
 from shardkit.layout import (
     Box,
     Piece,

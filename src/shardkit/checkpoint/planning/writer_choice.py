@@ -30,9 +30,9 @@ from __future__ import annotations
 import heapq
 import math
 
-from shardkit.checkpoint.chunk_plan import ChunkedTensor, ChunkPlan, check_tiling
-from shardkit.checkpoint.dtensor_layout import is_shard
-from shardkit.checkpoint.compact_layout import Description, TensorLayout, coordinate_map, shard_coordinates
+from shardkit.checkpoint.planning.chunk_plan import ChunkedTensor, ChunkPlan, check_tiling
+from shardkit.checkpoint.planning.dtensor_layout import is_shard
+from shardkit.checkpoint.planning.compact_layout import Description, TensorLayout, coordinate_map, shard_coordinates
 from shardkit.errors import MetadataError
 from shardkit.layout import Box
 

@@ -51,20 +51,20 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from shardkit.checkpoint.chunk_plan import ChunkPlan, plan_chunks
-from shardkit.checkpoint.chunks import Chunk
-from shardkit.checkpoint.compact_layout import Description, describe, own_boxes_agree, prediction_trusted
-from shardkit.checkpoint.dtensor_layout import local_box
-from shardkit.checkpoint.agreement import agree, attempt, describe as describe_error
-from shardkit.checkpoint.group import SLOT_BYTES, exchange
-from shardkit.checkpoint.manifest import (
+from shardkit.checkpoint.planning.chunk_plan import ChunkPlan, plan_chunks
+from shardkit.checkpoint.format.chunks import Chunk
+from shardkit.checkpoint.planning.compact_layout import Description, describe, own_boxes_agree, prediction_trusted
+from shardkit.checkpoint.planning.dtensor_layout import local_box
+from shardkit.checkpoint.coordination.agreement import agree, attempt, describe as describe_error
+from shardkit.checkpoint.coordination.group import SLOT_BYTES, exchange
+from shardkit.checkpoint.format.manifest import (
     CHUNKED_VERSION, METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_name,
     write_json,
 )
-from shardkit.checkpoint.nested import flatten
-from shardkit.checkpoint.rank_state import check_reserved, rank_state_objects, rank_state_report
-from shardkit.checkpoint.spec import TensorShardSpec
-from shardkit.checkpoint.writer_choice import full_plan, own_writes
+from shardkit.checkpoint.format.nested import flatten
+from shardkit.checkpoint.format.rank_state import check_reserved, rank_state_objects, rank_state_report
+from shardkit.checkpoint.format.spec import TensorShardSpec
+from shardkit.checkpoint.planning.writer_choice import full_plan, own_writes
 from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes, to_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box

@@ -59,18 +59,18 @@ import xxhash
 
 from shardkit import knobs
 
-from shardkit.checkpoint.agreement import FIRST_STEP, agree, attempt, describe
-from shardkit.checkpoint.chunked_save import Prepared, commit, snapshot_metadata, withdraw, write_and_commit, \
+from shardkit.checkpoint.coordination.agreement import FIRST_STEP, agree, attempt, describe
+from shardkit.checkpoint.saving.chunked_save import Prepared, commit, snapshot_metadata, withdraw, write_and_commit, \
     write_data_file
-from shardkit.checkpoint.group import resolve_group
+from shardkit.checkpoint.coordination.group import resolve_group
 from shardkit.checkpoint.logs import logged
-from shardkit.checkpoint.manifest import (
+from shardkit.checkpoint.format.manifest import (
     CHUNKED_VERSION, METADATA_FILE, RANK_FORMAT, data_file_name, rank_manifest_name, write_json,
 )
-from shardkit.checkpoint.nested import flatten
-from shardkit.checkpoint.plan import spec_chunk_plan
-from shardkit.checkpoint.rank_state import check_reserved
-from shardkit.checkpoint.spec import TensorShardSpec, as_spec_dict, check_local_tensor, check_world
+from shardkit.checkpoint.format.nested import flatten
+from shardkit.checkpoint.planning.plan import spec_chunk_plan
+from shardkit.checkpoint.format.rank_state import check_reserved
+from shardkit.checkpoint.format.spec import TensorShardSpec, as_spec_dict, check_local_tensor, check_world
 from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes, to_safetensors_name
 from shardkit.errors import CheckpointExistsError, MetadataError, TensorMismatchError
 from shardkit.storage import Storage, parse_json_object, storage_for
