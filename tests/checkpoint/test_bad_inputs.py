@@ -173,7 +173,8 @@ def test_object_store_load_verifies_blocks_that_straddle_job_windows(monkeypatch
     # only in part, and an object store reads such a block unverified.
     import fsspec
 
-    from shardkit.checkpoint import execute, save_distributed
+    from shardkit.checkpoint import save_distributed
+    import shardkit.checkpoint.loading.execute as execute
 
     monkeypatch.setattr(knobs, "CHECKSUM_BLOCK_BYTES", block_bytes)
     monkeypatch.setattr(execute, "_JOB_BYTES", 1024)

@@ -13,7 +13,8 @@ import gc
 import pytest
 import torch
 
-from shardkit.checkpoint import chunked_save, load, save
+from shardkit.checkpoint import load, save
+import shardkit.checkpoint.saving.chunked_save as chunked_save
 from shardkit.storage.json_io import gc_paused
 
 

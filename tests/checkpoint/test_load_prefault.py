@@ -7,7 +7,8 @@ import torch
 
 from ckpt_helpers import bits_equal, save_full
 from shardkit import knobs
-from shardkit.checkpoint import execute, load_distributed
+from shardkit.checkpoint import load_distributed
+import shardkit.checkpoint.loading.execute as execute
 from shardkit.errors import ChecksumError
 
 BIG_BYTES = 3 << 20

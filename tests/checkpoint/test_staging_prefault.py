@@ -17,7 +17,7 @@ import torch
 
 from shardkit import knobs
 from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, TensorShardSpec, load_distributed
-from shardkit.checkpoint import staging
+import shardkit.checkpoint.background.staging as staging
 from shardkit.storage.prefault import PAGE_BYTES
 
 import shardkit.checkpoint.background.checkpointer as async_save

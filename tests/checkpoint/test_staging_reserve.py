@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from shardkit import knobs
-from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, load_distributed, staging
+from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, load_distributed
+import shardkit.checkpoint.background.staging as staging
 from shardkit.checkpoint.background.staging_reserve import StagingReserve
 from shardkit.errors import AsyncCheckpointError
 from shardkit.storage.prefault import PAGE_BYTES
