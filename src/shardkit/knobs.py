@@ -80,7 +80,7 @@ HF_MMAP_LOADS: bool = True
 #: get their pages mapped ahead of first use by one background thread
 #: (``madvise(MADV_POPULATE_READ)``, in chunks of ``MAP_PREFETCH_CHUNK_BYTES``),
 #: and the map asks for large page-cache folios (``MADV_HUGEPAGE``); see
-#: ``shardkit.storage.read_ahead``. False leaves every page to the first touch.
+#: ``shardkit.storage.fast_io.map_prefetch``. False leaves every page to the first touch.
 MAP_PREFETCH: bool = True
 MAP_PREFETCH_CHUNK_BYTES: int = 32 * 1024 * 1024
 
@@ -89,13 +89,13 @@ IO_THREADS: int = 4
 
 #: Staging copies (``AsyncCheckpointer``) of at least this many bytes use
 #: non-temporal stores when the ``shardkit._stream_copy`` extension is built
-#: (see ``shardkit.storage.memcopy``); ``STREAM_COPY = False`` turns that off.
+#: (see ``shardkit.storage.fast_io.memcopy``); ``STREAM_COPY = False`` turns that off.
 STREAM_COPY: bool = True
 STREAM_COPY_MIN_BYTES: int = 1024 * 1024
 
 #: Staging into new buffers (a first ``save_async``) faults their pages in
 #: with ``madvise(MADV_POPULATE_WRITE)`` on a helper job running ahead of the
-#: copies (see ``shardkit.storage.prefault``); False leaves the faults to the copies.
+#: copies (see ``shardkit.storage.fast_io.prefault``); False leaves the faults to the copies.
 STAGING_PREFAULT: bool = True
 
 #: A load's outputs allocated by the load (not ``out=``, not mapped) are faulted in with
@@ -259,7 +259,7 @@ DCP_OPEN_FILES: int = 64
 #: (ISA-L's, from the ``isal`` package: about 10 GiB/s on the 2-core benchmark VM).
 DCP_VERIFY_CRC: bool = True
 
-# --- object stores (shardkit.storage.fsspec_store) ---------------------------
+# --- object stores (shardkit.storage.backends.fsspec_store) ---------------------------
 
 #: Part size of the multipart uploads shardkit makes to S3 (S3 wants 5 MiB to
 #: 5 GiB per part, at most 10,000 parts); a file smaller than one part is a

@@ -242,7 +242,7 @@ def _headers(draw):
 def test_header_quick_checks_agree_with_the_reference_checks(header, spare_bytes):
     """``parse_header`` (entries checked by an object_hook) accepts exactly what the per-entry reference accepts."""
     from shardkit.errors import MetadataError
-    from shardkit.storage.safetensors_header import _entry, parse_header
+    from shardkit.storage.safetensors_format.header import _entry, parse_header
 
     entries, data_bytes = header
     text = json.dumps(entries).encode()

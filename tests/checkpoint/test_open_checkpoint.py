@@ -5,7 +5,7 @@ import torch
 import shardkit.checkpoint as ckpt
 import shardkit.checkpoint.loading.read_path as open_checkpoint_module
 from shardkit.hf.convert import distributed_to_hf
-from shardkit.storage.local import LocalStorage
+from shardkit.storage.backends.local import LocalStorage
 
 NAMES = [f"layer{i}.w" for i in range(6)]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardkit.bench.scale_bench import close_all, growth_exponent, load_one, measure, save_counted
+from shardkit.bench.checkpoint_suites.scale_bench import close_all, growth_exponent, load_one, measure, save_counted
 from shardkit.checkpoint.coordination.group import BROADCAST_SLOT_BYTES
 from shardkit.checkpoint.format.manifest import read_manifest
 from shardkit.comm import Group

@@ -18,7 +18,7 @@ import torch
 from shardkit import knobs
 from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, TensorShardSpec, load_distributed
 import shardkit.checkpoint.background.staging as staging
-from shardkit.storage.prefault import PAGE_BYTES
+from shardkit.storage.fast_io.prefault import PAGE_BYTES
 
 import shardkit.checkpoint.background.checkpointer as async_save
 

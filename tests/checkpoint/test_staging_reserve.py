@@ -21,7 +21,7 @@ from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, load_distribut
 import shardkit.checkpoint.background.staging as staging
 from shardkit.checkpoint.background.staging_reserve import StagingReserve
 from shardkit.errors import AsyncCheckpointError
-from shardkit.storage.prefault import PAGE_BYTES
+from shardkit.storage.fast_io.prefault import PAGE_BYTES
 
 import shardkit.checkpoint.background.checkpointer as async_save
 import shardkit.checkpoint.background.staging_reserve as staging_reserve

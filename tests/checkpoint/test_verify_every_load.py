@@ -17,7 +17,7 @@ from shardkit import knobs
 from shardkit.checkpoint import load, load_consolidated, load_distributed, load_region, reshard, save
 from shardkit.checkpoint import save_distributed, ShardMetadata, TensorShardSpec
 from shardkit.errors import ChecksumError
-from shardkit.storage import local as local_storage
+import shardkit.storage.backends.local as local_storage
 from shardkit.storage import read_header, storage_for
 from shardkit.storage.checksum import FileRecord
 

@@ -1,4 +1,4 @@
-"""One writer per checkpoint directory (``Storage.writer_lock``, ``storage/lock.py``).
+"""One writer per checkpoint directory (``Storage.writer_lock``, ``storage/backends/lock.py``).
 
 Real processes (a forkserver that imported torch once): a save held in the
 middle of its data file while a second save starts; a writer SIGKILLed while
@@ -23,7 +23,7 @@ from held_writes import hold_writes, held_writer_process
 from shardkit.checkpoint import load_consolidated, save_distributed, validate_distributed
 from shardkit.errors import CheckpointBusyError
 from shardkit.storage import LocalStorage, is_lock_name, is_temp_name, storage_for
-from shardkit.storage.lock import lock_file_name, local_writer_lock
+from shardkit.storage.backends.lock import lock_file_name, local_writer_lock
 
 HANG_GUARD_S = 60
 
@@ -230,7 +230,7 @@ def test_object_stores_hold_no_lock_and_still_save(tmp_path):
 def test_a_file_system_without_flock_saves_unlocked_with_a_warning(tmp_path, monkeypatch):
     import errno
 
-    import shardkit.storage.lock as lock
+    import shardkit.storage.backends.lock as lock
 
     def no_flock(fd, op):
         raise OSError(errno.ENOSYS, "Function not implemented")
@@ -246,7 +246,7 @@ def test_a_file_system_refusing_flock_saves_unlocked_and_keeps_a_lock_file_it_ma
     # ENOLCK may pass (out of lock records, NFS lockd unreachable): another writer may hold that file's lock
     import errno
 
-    from shardkit.storage import lock
+    import shardkit.storage.backends.lock as lock
 
     def refuse(fd, how):
         raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
@@ -261,7 +261,7 @@ def test_a_file_system_refusing_flock_saves_unlocked_and_keeps_a_lock_file_it_ma
 def test_a_failure_after_the_lock_is_taken_releases_it(tmp_path, monkeypatch):
     from fds import open_on
 
-    from shardkit.storage import lock
+    import shardkit.storage.backends.lock as lock
 
     monkeypatch.setattr(lock, "_still_named", lambda fd, path: (_ for _ in ()).throw(PermissionError(13, "denied")))
     with pytest.raises(OSError):

@@ -9,7 +9,7 @@ from ckpt_helpers import bits_equal, rank_slice, save_full
 from shardkit import knobs
 from shardkit.checkpoint import load_distributed, reshard, validate_distributed
 from shardkit.errors import ChecksumError
-from shardkit.storage import local as local_storage
+import shardkit.storage.backends.local as local_storage
 
 
 def _state():

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from shardkit import knobs
 from shardkit.storage import LocalStorage, write_safetensors
-from shardkit.storage import direct_io
-from shardkit.storage.direct_io import ALIGN_BYTES, open_direct_sink
+import shardkit.storage.fast_io.direct_io as direct_io
+from shardkit.storage.fast_io.direct_io import ALIGN_BYTES, open_direct_sink
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
 

@@ -5,8 +5,9 @@ import torch
 
 from shardkit import knobs
 from shardkit.checkpoint import load_distributed, save_distributed, validate_distributed
-from shardkit.storage import LocalStorage, write_safetensors, writer
-from shardkit.storage.direct_io import DirectSink
+from shardkit.storage import LocalStorage, write_safetensors
+import shardkit.storage.safetensors_format.writer as writer
+from shardkit.storage.fast_io.direct_io import DirectSink
 
 
 def _state():

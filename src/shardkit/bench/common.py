@@ -16,7 +16,7 @@ import time
 from typing import Callable
 
 from shardkit.storage.json_io import gc_paused
-from shardkit.storage.read_ahead import wait_for_prefetch
+from shardkit.storage.fast_io.map_prefetch import wait_for_prefetch
 
 
 #: Cases whose runs swing with the VM's page-fault speed far more than the

@@ -36,46 +36,46 @@ SUITE_DEFAULT_SIZES = {"s3": "512MiB", "load-any": "512MiB", "gil": "300MiB"}
 
 def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
     if name in ("save", "load", "async"):
-        from shardkit.bench.checkpoint_bench import run_checkpoint_benchmarks
+        from shardkit.bench.checkpoint_suites.checkpoint_bench import run_checkpoint_benchmarks
 
         return run_checkpoint_benchmarks(size, reps, workdir, cases=(name,))
     if name == "multirank":
-        from shardkit.bench.multirank_bench import run_multirank_benchmarks
+        from shardkit.bench.checkpoint_suites.multirank_bench import run_multirank_benchmarks
 
         return run_multirank_benchmarks(size, reps, workdir)
     if name == "comm":
-        from shardkit.bench.comm_bench import run_comm_benchmarks
+        from shardkit.bench.comm_suites.comm_bench import run_comm_benchmarks
 
         return run_comm_benchmarks(reps=reps)
     if name == "offline":
-        from shardkit.bench.offline_bench import run_offline_benchmarks
+        from shardkit.bench.checkpoint_suites.offline_bench import run_offline_benchmarks
 
         return run_offline_benchmarks(size, reps, workdir)
     if name == "scale":
-        from shardkit.bench.scale_bench import run_scale_benchmarks
+        from shardkit.bench.checkpoint_suites.scale_bench import run_scale_benchmarks
 
         return run_scale_benchmarks(workdir)
     if name == "s3":
-        from shardkit.bench.s3_bench import run_s3_benchmarks
+        from shardkit.bench.checkpoint_suites.s3_bench import run_s3_benchmarks
 
         return run_s3_benchmarks(size, reps, workdir)
     if name == "comm-gpu":
-        from shardkit.bench.comm_gpu_bench import run_comm_gpu_benchmarks
+        from shardkit.bench.comm_suites.comm_gpu_bench import run_comm_gpu_benchmarks
 
         return run_comm_gpu_benchmarks(reps=reps)
     if name == "load-any":
-        from shardkit.bench.load_any_bench import run_load_any_benchmarks
+        from shardkit.bench.checkpoint_suites.load_any_bench import run_load_any_benchmarks
 
         return run_load_any_benchmarks(size, reps, workdir)
     if name == "gil":
-        from shardkit.bench.gil_bench import run_gil_benchmarks
+        from shardkit.bench.checkpoint_suites.gil_bench import run_gil_benchmarks
 
         return run_gil_benchmarks(size, reps, workdir)
     if name == "ddp":
-        from shardkit.bench.ddp_bench import run_ddp_benchmarks
+        from shardkit.bench.comm_suites.ddp_bench import run_ddp_benchmarks
 
         return run_ddp_benchmarks(reps=reps)
-    from shardkit.bench.hf_bench import run_hf_benchmarks
+    from shardkit.bench.hf_suites.hf_bench import run_hf_benchmarks
 
     return run_hf_benchmarks(size, reps, workdir)
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace, error=None) -> int:
         if error is None:
             raise ValueError(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)}")
         error(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)}")
-    from shardkit.storage.memcopy import copy_kind
+    from shardkit.storage.fast_io.memcopy import copy_kind
 
     context = {"size_bytes": size, "reps": args.reps, "machine": platform.platform(),
                "cpus": os.cpu_count(), "python": platform.python_version(), "staging_copy": copy_kind()}

@@ -43,7 +43,7 @@ from shardkit.checkpoint.format.rank_state import check_reserved, is_rank_state_
 from shardkit.errors import TensorMismatchError
 from shardkit.layout import Box
 from shardkit.sources.base import CheckpointSource, leaf_values
-from shardkit.storage.destinations import shared_destinations
+from shardkit.storage.fast_io.destinations import shared_destinations
 
 __all__ = ["load_from_source"]
 

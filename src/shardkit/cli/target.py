@@ -97,7 +97,7 @@ def _local_path(path: str) -> str:
     """``path``, or the local path a ``file:`` URL names."""
     if path[:5].lower() != "file:":
         return path
-    from shardkit.storage.backend import file_url_path  # storage_for's own reading of it (imports torch)
+    from shardkit.storage.backends.choose import file_url_path  # storage_for's own reading of it (imports torch)
 
     return file_url_path(path)
 

@@ -35,10 +35,10 @@ from shardkit.dtypes import from_safetensors_name
 from shardkit.layout import whole_box
 from shardkit.errors import IncompleteCheckpointError, MetadataError, TensorMismatchError
 from shardkit.hf.bin_io import read_bin_shard
-from shardkit.hf.export_plan import out_dtype, plan_export, select_model_names
-from shardkit.hf.export_write import export_index, remove_previous, write_export
+from shardkit.hf.saving.export_plan import out_dtype, plan_export, select_model_names
+from shardkit.hf.saving.export_write import export_index, remove_previous, write_export
 from shardkit.hf.index import load_shard_index, shard_size_bytes
-from shardkit.hf.save_checks import check_export_dtype
+from shardkit.hf.saving.save_checks import check_export_dtype
 from shardkit.hf.shard_io import shard_header
 from shardkit.hf.untrusted import hostile_input, non_regular_problems
 from shardkit.storage import LazyTensor

@@ -21,8 +21,8 @@ from shardkit.dtypes import from_safetensors_name, itemsize_bytes, to_safetensor
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.hf.untrusted import hostile_input, require_regular_file
 from shardkit.storage import BufferReader, Storage, byte_view, read_header, read_ranges, run_parallel
-from shardkit.storage.destinations import check_disjoint
-from shardkit.storage.read_ahead import prefetch_mapped
+from shardkit.storage.fast_io.destinations import check_disjoint
+from shardkit.storage.fast_io.map_prefetch import prefetch_mapped
 
 __all__ = ["indexed_entry", "map_shard", "read_shard", "read_shard_into", "shard_header"]
 

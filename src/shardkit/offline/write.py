@@ -1,7 +1,7 @@
 """Streamed writers: reshard a distributed checkpoint, export any checkpoint as HF or as distributed.
 
 Each tensor (or each rank's slice of it) is a :class:`~shardkit.storage.LazyTensor`
-served by a :class:`~shardkit.offline.readahead.ReadAhead`: the source fills
+served by a :class:`~shardkit.offline.write_overlap.ReadAhead`: the source fills
 it in place (:meth:`CheckpointSource.read_into` of exactly the box a new
 rank holds; the source's files opened once) while the file writer writes the
 one before, in two reused buffers: peak memory is about two of the largest
@@ -27,9 +27,9 @@ import torch
 
 from shardkit.dtypes import itemsize_bytes
 from shardkit.errors import TensorMismatchError
-from shardkit.hf.export_plan import TRAINING_STATE_NAMES, out_dtype, select_model_names
+from shardkit.hf.saving.export_plan import TRAINING_STATE_NAMES, out_dtype, select_model_names
 from shardkit.offline.publish import publish_directory
-from shardkit.offline.readahead import ReadAhead
+from shardkit.offline.write_overlap import ReadAhead
 from shardkit.storage import LazyTensor, storage_for
 
 __all__ = ["reshard_checkpoint", "export_hf", "export_distributed", "select_names", "TRAINING_STATE_NAMES"]
@@ -62,7 +62,7 @@ def _write_distributed(tmp: str, world_size: int, entries: dict, fill, objects: 
 
     ``entries``: name -> (dtype, TensorShardSpec of the new layout); ``fill(name, offsets, out)``
     reads that box of ``name`` into ``out``. The next chunk is read while the current one is written
-    (:class:`~shardkit.offline.readahead.ReadAhead`)."""
+    (:class:`~shardkit.offline.write_overlap.ReadAhead`)."""
     from shardkit.checkpoint.saving.chunked_save import Prepared, commit, write_data_file
     from shardkit.checkpoint.format.manifest import data_file_name
     from shardkit.checkpoint.planning.plan import spec_chunk_plan
@@ -159,7 +159,7 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
 
 
 def select_names(names, prefix: Optional[str]) -> dict[str, str]:
-    """``source name -> exported name``; :func:`shardkit.hf.export_plan.select_model_names` (kept under this name).
+    """``source name -> exported name``; :func:`shardkit.hf.saving.export_plan.select_model_names` (kept under this name).
 
     >>> sorted(select_names(["model.w", "optim.w_m"], None).items())
     [('model.w', 'w')]
@@ -173,24 +173,24 @@ def export_hf(src: str, dst: str, *, kind: Optional[str] = None, prefix: Optiona
     """Export the model in any checkpoint ``src`` (distributed, HF, DCP) as a Hugging Face checkpoint ``dst``.
 
     The model tensors only, by default: ``prefix`` as
-    :func:`~shardkit.hf.export_plan.select_model_names` reads it (None: no
+    :func:`~shardkit.hf.saving.export_plan.select_model_names` reads it (None: no
     optimizer state, no ``__rank_state__``, a lone ``model.`` subtree
     stripped; ``""``: every tensor as named). Casts floating tensors to
     ``dtype`` when given, writes ``model-0000i-of-0000n.safetensors`` shards
     of at most ``max_shard_bytes`` through the one HF writer
-    (:mod:`shardkit.hf.export_write`, as ``save_checkpoint`` and
+    (:mod:`shardkit.hf.saving.export_write`, as ``save_checkpoint`` and
     ``distributed_to_hf`` do) and the index last, and copies ``config`` (or
     a ``config.json`` found in ``src``). Each tensor is read while the one
-    before is written (:class:`~shardkit.offline.readahead.ReadAhead`).
+    before is written (:class:`~shardkit.offline.write_overlap.ReadAhead`).
     Plain values are not exported. ``dst`` must not exist; it appears
     complete and checked, or not at all.
 
     >>> export_hf("dcp_ckpt", "hf_out", prefix="model.", dtype=torch.bfloat16)
     """
     from shardkit.hf.convert import read_config_file
-    from shardkit.hf.export_plan import plan_export
-    from shardkit.hf.export_write import export_index, write_export, write_order
-    from shardkit.hf.save_checks import check_export_dtype
+    from shardkit.hf.saving.export_plan import plan_export
+    from shardkit.hf.saving.export_write import export_index, write_export, write_order
+    from shardkit.hf.saving.save_checks import check_export_dtype
     from shardkit.sources import open_source
 
     check_export_dtype(dtype, True)

@@ -119,7 +119,7 @@ def _local(path) -> str:
     text = os.fspath(path)
     if text[:5].lower() != "file:":
         return text
-    from shardkit.storage.backend import file_url_path  # storage_for's own reading of it
+    from shardkit.storage.backends.choose import file_url_path  # storage_for's own reading of it
 
     return file_url_path(text)
 

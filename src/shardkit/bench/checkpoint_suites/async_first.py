@@ -6,7 +6,7 @@ a VM that backs its memory lazily) or recycled from the process's own heap
 depends on what the process freed before. Timing each implementation's
 first call in its own new process, after the same preparation, gives both
 the same start. :func:`first_call_blocked` runs one such child;
-``python -m shardkit.bench.async_first IMPL SIZE_BYTES DIR SETTLE_S [BALLAST_BYTES]`` is the child.
+``python -m shardkit.bench.checkpoint_suites.async_first IMPL SIZE_BYTES DIR SETTLE_S [BALLAST_BYTES]`` is the child.
 
 The child builds the benchmark state (``workload.make_state``), makes its
 checkpointer (shardkit; the ``PREPARED`` row also calls
@@ -75,7 +75,7 @@ def first_call_blocked(impl: str, size_bytes: int, dir: str, *, settle_s: float 
     if impl not in IMPLS:
         raise ValueError(f"unknown async impl {impl!r}; known: {sorted(IMPLS)}")
     argv = [impl, str(size_bytes), dir, str(settle_s), str(ballast_bytes)]
-    done = subprocess.run([sys.executable, "-m", "shardkit.bench.async_first", *argv],
+    done = subprocess.run([sys.executable, "-m", "shardkit.bench.checkpoint_suites.async_first", *argv],
                           capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
     if done.returncode != 0:
         raise RuntimeError(f"the first-call child for {impl} failed (exit {done.returncode}): {done.stderr[-2000:]}")

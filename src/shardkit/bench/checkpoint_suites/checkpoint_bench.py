@@ -15,7 +15,7 @@ import time
 import torch
 
 from shardkit.bench import peers
-from shardkit.bench.async_first import DCP_ASYNC, IMPLS as FIRST_CALL_IMPLS, first_call_blocked
+from shardkit.bench.checkpoint_suites.async_first import DCP_ASYNC, IMPLS as FIRST_CALL_IMPLS, first_call_blocked
 from shardkit.bench.common import FIRST_CALL_MIN_REPS, NOISY_MIN_REPS, VERIFY_MIN_REPS, row, time_interleaved, warm_files
 from shardkit.bench.workload import make_state, state_bytes
 from shardkit.checkpoint import AsyncCheckpointer, ShardMetadata, load_distributed, save_distributed

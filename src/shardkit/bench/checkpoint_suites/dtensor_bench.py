@@ -10,7 +10,7 @@ model + two moments, about ``--mib`` MiB in all, on 4 ranks. Rows:
   (DCP given a dedicated Gloo group, as torchtitan does; shardkit makes its own).
 
 Every timed call starts after a barrier and ends with one, so a time is the slowest rank's.
-Run: ``python -m benchmarks.dtensor_bench --mib 1024 --workdir /fast/disk``.
+Run: ``python -m shardkit.bench.checkpoint_suites.dtensor_bench --mib 1024 --workdir /fast/disk``.
 """
 
 from __future__ import annotations

@@ -270,7 +270,7 @@ def dcp_rows(size_bytes: int, reps: int, workdir: str, saved_world: int = 4, wor
 
 
 def run_load_any_benchmarks(size_bytes: int, reps: int, workdir: str, cases=("hf", "dcp")) -> list[dict]:
-    """The rows of :mod:`shardkit.bench.load_any_bench` (``cases``: ``hf``, ``dcp``); at least 3 calls each."""
+    """The rows of :mod:`shardkit.bench.checkpoint_suites.load_any_bench` (``cases``: ``hf``, ``dcp``); at least 3 calls each."""
     reps = max(3, reps)
     rows: list[dict] = []
     if "hf" in cases:

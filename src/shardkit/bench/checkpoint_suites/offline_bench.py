@@ -2,7 +2,7 @@
 ``shardkit convert --from dcp`` vs DCP's own ``dcp_to_torch_save``.
 
 How it measures (``shardkit bench --only offline`` or
-``python -m shardkit.bench.offline_bench 2GiB 3 /tmp/work [kind,kind]``, the
+``python -m shardkit.bench.checkpoint_suites.offline_bench 2GiB 3 /tmp/work [kind,kind]``, the
 last argument choosing among ``KINDS``):
 
 - the source checkpoints (a shardkit one saved by 4 ranks with
@@ -137,7 +137,7 @@ def _child(kind: str, work: str, size_bytes: int) -> dict:
 
 def _timed(kind: str, work: str, size_bytes: int) -> dict:
     shutil.rmtree(os.path.join(work, "out-" + kind), ignore_errors=True)
-    code = ("import json, sys; from shardkit.bench.offline_bench import _child; "
+    code = ("import json, sys; from shardkit.bench.checkpoint_suites.offline_bench import _child; "
             f"print('RESULT ' + json.dumps(_child({kind!r}, {work!r}, {size_bytes})))")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True)
     shutil.rmtree(os.path.join(work, "out-" + kind), ignore_errors=True)
@@ -150,7 +150,7 @@ def _timed(kind: str, work: str, size_bytes: int) -> dict:
 def measure(size_bytes: int, reps: int, work: str, kinds=KINDS) -> dict:
     """``kind -> {"seconds": [...], "peak_bytes": [...], ...}`` and the baseline, interleaved over ``reps``."""
     subprocess.run([sys.executable, "-W", "ignore", "-c",
-                    f"from shardkit.bench.offline_bench import prepare; prepare({size_bytes}, {work!r})"],
+                    f"from shardkit.bench.checkpoint_suites.offline_bench import prepare; prepare({size_bytes}, {work!r})"],
                    check=True)
     results = {k: [] for k in kinds}
     for rep in range(max(1, reps)):

@@ -1,8 +1,8 @@
 """Scale: metadata size, save and load time and rank 0's received traffic against ranks x tensors.
 
-How it measures (``shardkit bench --only scale`` or ``python -m shardkit.bench.scale_bench``);
-``bench/scale_processes.py`` measures the same rows with every rank a process (the default
-of ``python -m shardkit.bench.scale_bench``; ``--only scale`` runs both kinds):
+How it measures (``shardkit bench --only scale`` or ``python -m shardkit.bench.checkpoint_suites.scale_bench``);
+``bench/checkpoint_suites/scale_processes.py`` measures the same rows with every rank a process (the default
+of ``python -m shardkit.bench.checkpoint_suites.scale_bench``; ``--only scale`` runs both kinds):
 
 - ``ranks`` ranks are the threads of ``comm.Group.local(ranks)`` (real Gloo over
   loopback inside one process). Each rank saves ``tensors`` tiny sharded
@@ -229,7 +229,7 @@ RANK_KINDS = ("processes", "threads")
 def measure_as(kind: str, ranks: int, tensors: int, workdir: str) -> dict:
     """One row with ranks run as ``kind`` (one of ``RANK_KINDS``)."""
     if kind == "processes":
-        from shardkit.bench.scale_processes import measure_processes
+        from shardkit.bench.checkpoint_suites.scale_processes import measure_processes
 
         return {"ranks_as": kind, **measure_processes(ranks, tensors, workdir)}
     if kind == "threads":
@@ -252,7 +252,7 @@ def run_scale_benchmarks(workdir: str, ranks=DEFAULT_RANKS, tensors: int = DEFAU
 
 
 def main(argv: list[str]) -> None:
-    """``python -m shardkit.bench.scale_bench [RANKS,...] [TENSORS] [processes|threads]``: one fitted table."""
+    """``python -m shardkit.bench.checkpoint_suites.scale_bench [RANKS,...] [TENSORS] [processes|threads]``: one fitted table."""
     import tempfile
 
     ranks = [int(n) for n in argv[0].split(",")] if argv else list(DEFAULT_RANKS)

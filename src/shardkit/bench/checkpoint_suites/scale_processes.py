@@ -22,7 +22,7 @@ the same state per rank as the thread rows:
 - rank 0's received and sent bytes and collectives are counted in rank 0's
   process by ``checkpoint.group.EXCHANGE_OBSERVERS``.
 
-A control (``python -m shardkit.bench.scale_processes JOBS RANKS TENSORS``,
+A control (``python -m shardkit.bench.checkpoint_suites.scale_processes JOBS RANKS TENSORS``,
 :func:`per_rank_cpu_one_job_vs_many`): the per-rank CPU of one job of
 JOBS x RANKS ranks against JOBS independent jobs of RANKS ranks each, run at
 once on this machine, and of one RANKS-rank job alone. If the first two are
@@ -47,7 +47,7 @@ import subprocess
 import sys
 import time
 
-from shardkit.bench.scale_bench import states, steady_directories
+from shardkit.bench.checkpoint_suites.scale_bench import states, steady_directories
 
 
 def _timed_between_barriers(fn) -> tuple[float, float]:
@@ -111,7 +111,7 @@ def _load_alone(rank: int, world_size: int, tensors: int, directory: str) -> flo
     """Ranks 0 and world_size-1 each load while every other rank waits at a barrier; their seconds."""
     import torch.distributed as dist
 
-    from shardkit.bench.scale_bench import load_checked
+    from shardkit.bench.checkpoint_suites.scale_bench import load_checked
 
     seconds = None
     for loader in sorted({0, world_size - 1}):
@@ -187,7 +187,7 @@ def per_rank_cpu_one_job_vs_many(jobs: int, ranks: int, tensors: int, workdir: s
     ready_dir = os.path.join(workdir, "jobs-ready")
     shutil.rmtree(ready_dir, ignore_errors=True)
     os.makedirs(ready_dir)
-    children = [subprocess.Popen([sys.executable, "-m", "shardkit.bench.scale_processes", "--job", str(ranks),
+    children = [subprocess.Popen([sys.executable, "-m", "shardkit.bench.checkpoint_suites.scale_processes", "--job", str(ranks),
                                   str(tensors), os.path.join(workdir, f"job{j}"), ready_dir, str(jobs)],
                                  stdout=subprocess.PIPE, text=True) for j in range(jobs)]
     outputs = [child.communicate()[0] for child in children]

@@ -12,7 +12,7 @@ swap order every repetition. Nothing here is a test: no time is asserted.
 
 Example::
 
-    python -m shardkit.bench.comm_bench --reps 5
+    python -m shardkit.bench.comm_suites.comm_bench --reps 5
 """
 
 from __future__ import annotations

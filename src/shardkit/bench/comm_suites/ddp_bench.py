@@ -9,7 +9,7 @@ rank's. What it does not measure: GPU, NCCL, or more than 2 ranks.
 
 Example::
 
-    from shardkit.bench.ddp_bench import run_ddp_benchmarks
+    from shardkit.bench.comm_suites.ddp_bench import run_ddp_benchmarks
     rows = run_ddp_benchmarks(reps=5)
 """
 

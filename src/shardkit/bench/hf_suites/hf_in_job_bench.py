@@ -16,7 +16,7 @@ rank's. Each figure is the median of ``--reps`` runs (min and max shown). Both
 outputs are checked to hold the same bf16 tensors once. Not a test: nothing here
 asserts a time.
 
-Run: ``python -m benchmarks.hf_in_job_bench --mib 512 --ranks 4 --workdir /fast/disk``.
+Run: ``python -m shardkit.bench.hf_suites.hf_in_job_bench --mib 512 --ranks 4 --workdir /fast/disk``.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ import torch
 
 from shardkit import knobs
 from shardkit.storage import run_parallel
-from shardkit.storage.memcopy import copy_bytes
-from shardkit.storage.prefault import populate_for_write
+from shardkit.storage.fast_io.memcopy import copy_bytes
+from shardkit.storage.fast_io.prefault import populate_for_write
 
 __all__ = ["stage", "copy_host", "buffer_for", "map_leaves"]
 

@@ -36,7 +36,7 @@ import torch
 
 from shardkit import knobs
 from shardkit.checkpoint.background.staging import buffer_for, map_leaves
-from shardkit.storage.prefault import PAGE_BYTES, populate_for_write
+from shardkit.storage.fast_io.prefault import PAGE_BYTES, populate_for_write
 
 __all__ = ["StagingReserve"]
 

@@ -46,7 +46,7 @@ __all__ = ["resolve_group", "settle", "broadcast_json", "rank0_decides", "exchan
 #: ``f(rank, collectives, received_bytes, sent_bytes)``: the collectives this rank issued, the
 #: bytes it received from the other ranks (its result, less its own part) and the bytes of its
 #: own input (what a backend forwards along a ring or tree is not counted). Empty unless a test
-#: or ``bench/scale_bench.py`` counts a save's traffic (append, then remove, a callable).
+#: or ``bench/checkpoint_suites/scale_bench.py`` counts a save's traffic (append, then remove, a callable).
 EXCHANGE_OBSERVERS: list = []
 
 #: The default slot a rank's value takes in a :func:`settle` gather, its 8-byte length included.

@@ -40,9 +40,9 @@ from shardkit.storage import (
     read_ranges,
     run_parallel,
 )
-from shardkit.storage.destinations import check_disjoint
-from shardkit.storage.prefault import populate_for_write
-from shardkit.storage.tensor_io import ExtraReads, holds_of, map_verified
+from shardkit.storage.fast_io.destinations import check_disjoint
+from shardkit.storage.fast_io.prefault import populate_for_write
+from shardkit.storage.safetensors_format.tensor_io import ExtraReads, holds_of, map_verified
 
 __all__ = ["OpenFiles", "run_loads", "check_chunks", "check_plans", "saved_dtype", "scratch_elems_of"]
 

@@ -47,7 +47,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from shardkit import knobs
-from shardkit.storage.prefault import populate_for_write
+from shardkit.storage.fast_io.prefault import populate_for_write
 
 __all__ = ["CPU_STAGE_BYTES", "SLAB_BYTES", "fill", "stage_groups"]
 

@@ -42,7 +42,7 @@ from shardkit.checkpoint.planning.plan import plan_load, wanted_box
 from shardkit.checkpoint.loading.read_path import OpenCheckpoint
 from shardkit.errors import TensorMismatchError
 from shardkit.layout import Box
-from shardkit.storage.destinations import shared_destinations
+from shardkit.storage.fast_io.destinations import shared_destinations
 
 __all__ = ["load_into", "state_leaves", "replace_plain"]
 

@@ -93,7 +93,7 @@ _WITHDRAW_STEP = "locking the directory and withdrawing the previous metadata"
 #: (a longer status, e.g. with rank_state plain leaves, still goes through, in one more gather).
 _ERROR_SLOT_BYTES = 32
 _LAYOUT_SLOT_BYTES = 160
-#: The save's rounds (step, gather slot) in order: what ``bench/scale_bench.py`` times alone.
+#: The save's rounds (step, gather slot) in order: what ``bench/checkpoint_suites/scale_bench.py`` times alone.
 ROUND_SLOTS = (("preparing the save", _LAYOUT_SLOT_BYTES), (_WITHDRAW_STEP, _ERROR_SLOT_BYTES),
                ("writing the data files", SLOT_BYTES))
 

@@ -35,12 +35,12 @@ from shardkit.hf.index import (
     load_shard_index,
     sharing_of,
 )
-from shardkit.hf.load_checks import check_shape, check_shards, refuse_missing, require_shard
+from shardkit.hf.loading.load_checks import check_shape, check_shards, refuse_missing, require_shard
 from shardkit.hf.shard_io import map_shard, read_shard, shard_header
 from shardkit.hf.sharing import check_ties, create_sharing_metadata, retie_parameters
 from shardkit.hf.untrusted import hostile_input, non_regular_problems
 from shardkit.storage import storage_for
-from shardkit.storage.destinations import shared_destinations
+from shardkit.storage.fast_io.destinations import shared_destinations
 
 __all__ = ["load_checkpoint", "load_sharded_checkpoint"]
 

@@ -36,9 +36,9 @@ from shardkit.checkpoint.planning.dtensor_layout import is_dtensor, local_box
 from shardkit.checkpoint.coordination.group import exchange
 from shardkit.dtypes import itemsize_bytes
 from shardkit.errors import TensorMismatchError
-from shardkit.hf.export_plan import ExportPlan, out_dtype, plan_export
-from shardkit.hf.export_write import export_index, remove_previous, write_files, write_order, write_tail
-from shardkit.hf.gather import GatherTensor, Handoff, rounds_of, run_rounds
+from shardkit.hf.saving.export_plan import ExportPlan, out_dtype, plan_export
+from shardkit.hf.saving.export_write import export_index, remove_previous, write_files, write_order, write_tail
+from shardkit.hf.saving.gather import GatherTensor, Handoff, rounds_of, run_rounds
 from shardkit.layout import Box, cover_problem, whole_box
 from shardkit.storage import LazyTensor, storage_for
 

@@ -25,8 +25,8 @@ from torch import Tensor
 from torch.nn import Module
 
 from shardkit.errors import TensorMismatchError
-from shardkit.hf.export_plan import out_dtype
-from shardkit.hf.export_write import cast_lazy, remove_previous, write_export, write_files
+from shardkit.hf.saving.export_plan import out_dtype
+from shardkit.hf.saving.export_write import cast_lazy, remove_previous, write_export, write_files
 from shardkit.hf.index import (
     ShardIndex,
     SharingMetadataT,
@@ -40,9 +40,9 @@ from shardkit.hf.index import (
     sharing_for,
     sharing_of,
 )
-from shardkit.hf.job_save import holds_dtensors, save_in_job
+from shardkit.hf.saving.job_save import holds_dtensors, save_in_job
 from shardkit.hf.model_config import model_config_files
-from shardkit.hf.save_checks import RESERVED_TENSOR_NAME, check_export_dtype, check_savable_tensors
+from shardkit.hf.saving.save_checks import RESERVED_TENSOR_NAME, check_export_dtype, check_savable_tensors
 from shardkit.hf.sharing import create_sharing_metadata
 from shardkit.storage import storage_for
 
@@ -107,7 +107,7 @@ def save_checkpoint(
     every rank must call: each rank writes the whole tensors assigned to it
     (balanced by bytes), gathering the parts it lacks from the ranks holding
     them, and rank 0 writes the index once every rank's files are complete.
-    No rank ever holds the whole model (see ``hf/job_save.py`` for the memory
+    No rank ever holds the whole model (see ``hf/saving/job_save.py`` for the memory
     bound). All ranks must see ``output_dir`` (a shared file system or URL).
     A state without DTensors is saved by the calling process alone, as before.
 

@@ -311,7 +311,7 @@ class Storage:
         accepts are aborted (``lambda name: name.startswith("step-")``), so
         another writer's upload in flight stays. None: every upload.
         """
-        from shardkit.storage.atomic import is_temp_name
+        from shardkit.storage.backends.atomic import is_temp_name
 
         if not self.isdir(directory):
             return []

@@ -23,9 +23,9 @@ import os
 import urllib.parse
 
 from shardkit.errors import MetadataError
-from shardkit.storage.base import BufferReader, Reader, Storage
-from shardkit.storage.fsspec_store import FsspecStorage
-from shardkit.storage.local import LocalStorage, check_regular_file
+from shardkit.storage.backends.base import BufferReader, Reader, Storage
+from shardkit.storage.backends.fsspec_store import FsspecStorage
+from shardkit.storage.backends.local import LocalStorage, check_regular_file
 
 __all__ = ["BufferReader", "Reader", "Storage", "LocalStorage", "FsspecStorage", "storage_for", "check_regular_file",
            "file_url_path"]

@@ -22,8 +22,8 @@ import threading
 
 from shardkit import knobs
 from shardkit.errors import CheckpointIOError
-from shardkit.storage.base import Reader
-from shardkit.storage.store_errors import store_errors
+from shardkit.storage.backends.base import Reader
+from shardkit.storage.backends.store_errors import store_errors
 
 __all__ = ["fetched_bytes", "RangeReader", "S3RangeReader", "StoreFile"]
 

@@ -45,12 +45,12 @@ from typing import BinaryIO, Iterator
 
 from shardkit import knobs
 from shardkit.errors import MetadataError, MissingShardError
-from shardkit.storage.atomic import temp_name
-from shardkit.storage.base import Reader, Storage
-from shardkit.storage.fsspec_readers import RangeReader, S3RangeReader, StoreFile, fetched_bytes
-from shardkit.storage.lock import is_lock_name
-from shardkit.storage.s3_upload import NOTHING_PUBLISHED, S3MultipartWriter, S3PartSink
-from shardkit.storage.store_errors import store_errors, translated
+from shardkit.storage.backends.atomic import temp_name
+from shardkit.storage.backends.base import Reader, Storage
+from shardkit.storage.backends.fsspec_readers import RangeReader, S3RangeReader, StoreFile, fetched_bytes
+from shardkit.storage.backends.lock import is_lock_name
+from shardkit.storage.backends.s3_upload import NOTHING_PUBLISHED, S3MultipartWriter, S3PartSink
+from shardkit.storage.backends.store_errors import store_errors, translated
 
 __all__ = ["FsspecStorage", "fetched_bytes"]
 

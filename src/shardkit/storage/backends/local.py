@@ -20,11 +20,11 @@ import weakref
 
 from shardkit import knobs
 from shardkit.errors import CheckpointIOError, MissingShardError
-from shardkit.storage.atomic import atomic_local_writer, fsync_dir, makedirs_synced, typed_io_errors
-from shardkit.storage.base import Reader, Storage
-from shardkit.storage.lock import is_lock_name, local_writer_lock
-from shardkit.storage.memcopy import buffer_address, copy_and_hash, copy_bytes
-from shardkit.storage.read_ahead import advise_huge_pages, prefetch_mapped
+from shardkit.storage.backends.atomic import atomic_local_writer, fsync_dir, makedirs_synced, typed_io_errors
+from shardkit.storage.backends.base import Reader, Storage
+from shardkit.storage.backends.lock import is_lock_name, local_writer_lock
+from shardkit.storage.fast_io.memcopy import buffer_address, copy_and_hash, copy_bytes
+from shardkit.storage.fast_io.map_prefetch import advise_huge_pages, prefetch_mapped
 
 __all__ = ["LocalStorage", "check_regular_file"]
 
@@ -242,13 +242,13 @@ class LocalStorage(Storage):
     def open_sink(self, f, durable: bool = True, checksum: bool = False, size_bytes: int | None = None,
                   inline: bool = False):
         """``O_DIRECT`` for durable writes where the file system takes it, else
-        positional buffered writes from a few threads (``storage.writer``), or
+        positional buffered writes from a few threads (``storage.fast_io.sinks``), or
         from the calling thread with ``inline``; a small file (``size_bytes``
         under ``knobs.SMALL_FILE_BYTES``) is written inline too, made durable
         by the publish's fsync."""
-        from shardkit.storage.writer import _local_sink  # the sinks live beside the writer
+        from shardkit.storage.fast_io.sinks import local_sink
 
-        return _local_sink(f.fileno(), durable, checksum, size_bytes, inline)
+        return local_sink(f.fileno(), durable, checksum, size_bytes, inline)
 
     def open_reader(self, path: str) -> Reader:
         try:

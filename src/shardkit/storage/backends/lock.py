@@ -42,7 +42,7 @@ import warnings
 from typing import Iterator
 
 from shardkit.errors import CheckpointBusyError
-from shardkit.storage.atomic import makedirs_synced, typed_io_errors
+from shardkit.storage.backends.atomic import makedirs_synced, typed_io_errors
 
 __all__ = ["LOCK_FILE_PREFIX", "is_lock_name", "local_writer_lock", "lock_file_name"]
 

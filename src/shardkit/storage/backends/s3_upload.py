@@ -27,7 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from shardkit import knobs
 from shardkit.errors import CheckpointIOError
-from shardkit.storage.store_errors import store_errors
+from shardkit.storage.backends.store_errors import store_errors
 
 __all__ = ["NOTHING_PUBLISHED", "S3MultipartWriter", "S3PartSink"]
 

@@ -33,7 +33,7 @@ concurrent saves in forked ranks commit each other's bytes). Where
 goes through the replacement instead of the system call.
 
 What it does not do: it does not open, fsync or rename files (the caller
-does: ``storage.writer`` and ``storage.atomic``), and it is only for local
+does: ``fast_io.sinks`` and ``backends.atomic``), and it is only for local
 files. Where the file system refuses ``O_DIRECT`` (``EINVAL`` when the
 flag is set or at a write) the same fd falls back to buffered writes with
 early writeback, so a file is never lost to a missing feature.
@@ -56,7 +56,7 @@ import threading
 
 from shardkit import knobs
 from shardkit.storage.checksum import BlockHasher, FileRecord, combine_block_digests
-from shardkit.storage.memcopy import buffer_address
+from shardkit.storage.fast_io.memcopy import buffer_address
 
 try:
     from shardkit._stream_copy import DirectWriter

@@ -39,8 +39,8 @@ import os
 import threading
 
 from shardkit import knobs
-from shardkit.storage.memcopy import buffer_address
-from shardkit.storage.prefault import MADV_HUGEPAGE, MADV_POPULATE_READ, advise
+from shardkit.storage.fast_io.memcopy import buffer_address
+from shardkit.storage.fast_io.prefault import MADV_HUGEPAGE, MADV_POPULATE_READ, advise
 
 __all__ = ["advise_huge_pages", "prefetch_mapped", "wait_for_prefetch"]
 

@@ -4,7 +4,7 @@ A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes
 of JSON (``{"__metadata__": {...}, name: {"dtype", "shape", "data_offsets"}}``),
 then the tensor bytes, contiguous, offsets relative to the end of the header.
 This module builds and checks that JSON; it reads files only through a
-:class:`~shardkit.storage.backend.Reader` and never the tensor bytes.
+:class:`~shardkit.storage.backends.choose.Reader` and never the tensor bytes.
 
 Example::
 
@@ -26,7 +26,7 @@ import numpy as np
 from shardkit import knobs
 from shardkit.dtypes import NAME_TO_DTYPE
 from shardkit.errors import MetadataError
-from shardkit.storage.backend import Reader
+from shardkit.storage.backends.base import Reader
 from shardkit.layout import bounded_numel
 from shardkit.storage.json_io import expect_dict, expect_int, expect_list, expect_str, parse_json_object, short_repr
 

@@ -25,9 +25,9 @@ import threading
 import torch
 
 from shardkit import knobs
-from shardkit.storage.backend import Reader
+from shardkit.storage.backends.base import Reader
 from shardkit.storage.checksum import FileRecord, Holds, new_block_hasher
-from shardkit.storage.parallel import run_parallel
+from shardkit.storage.fast_io.parallel import run_parallel
 
 __all__ = ["ExtraReads", "byte_view", "holds_of", "map_verified", "read_ranges"]
 
