@@ -18,13 +18,13 @@ complete training state). Detection reads no file contents, and for local
 paths imports nothing but ``os`` (the CLI fails fast on bad input); stores
 (``s3://``, ``memory://``) are asked through ``shardkit.storage``.
 
-:func:`complete_kind` / :func:`format_problems` also check completeness
-(every file the commit names is there at its size; headers, not tensor data).
+Completeness (every file the commit names is there at its size) is checked above the
+readers, in ``sources/completeness.py`` (:func:`~shardkit.sources.complete_kind`); this module
+sits below ``checkpoint``, ``hf`` and ``sources`` and imports none of them.
 
 Example::
 
     detect_kind("ckpt/step-100")         # "distributed", "hf" or "dcp"; raises for anything else
-    complete_kind("ckpt/step-100")       # the kind, or None when not a complete checkpoint
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Iterable
 from shardkit.errors import IncompleteCheckpointError, MetadataError, MissingShardError
 
 __all__ = ["DISTRIBUTED", "HF", "DCP", "KINDS", "KIND_NAMES", "MARKERS", "Found", "format_of_names", "find_format",
-           "first_marker", "detect_kind", "complete_kind", "format_problems", "describe_names"]
+           "first_marker", "detect_kind", "describe_names"]
 
 DISTRIBUTED, HF, DCP = "distributed", "hf", "dcp"
 KINDS = (DISTRIBUTED, HF, DCP)
@@ -175,81 +175,3 @@ def detect_kind(path) -> str:
             f"{path} holds {KIND_NAMES[found.kind]} data files but no {marker}: "
             f"the save never finished ({describe_names(names)}). Load an earlier checkpoint")
     return found.kind
-
-
-def format_problems(path) -> tuple[str | None, list[str]]:
-    """``(kind or None, why it is not a complete checkpoint)``; ``[]``: complete. Reads no tensor data.
-
-    Complete means: the commit marker is there and every data file it names
-    exists with a readable header at its recorded size (distributed: sizes in
-    ``metadata.json``; Hugging Face: ``hf.checkpoint_problems``; DCP: the
-    restricted unpickler's ``.metadata``, every ``.distcp`` it names long
-    enough for its records). Raises only for failures that are not about the
-    checkpoint (an unreachable store: ``CheckpointIOError``).
-    """
-    try:
-        kind = detect_kind(path)
-    except (MissingShardError, IncompleteCheckpointError, MetadataError) as e:
-        found = find_format(path) if not isinstance(e, MissingShardError) else None
-        return (found.kind if found else None), [str(e)]
-    check = {DISTRIBUTED: _distributed_problems, HF: _hf_problems, DCP: _dcp_problems}[kind]
-    return kind, check(path)
-
-
-def complete_kind(path) -> str | None:
-    """The kind of the checkpoint in ``path`` when it is complete (see :func:`format_problems`), else None.
-
-    For a manager choosing a step to restore: ``complete_kind(d) is not None`` means ``checkpoint.load``
-    reads ``d``. Reads no tensor data. Example: ``complete_kind("run/step-3") == "dcp"``.
-    """
-    kind, problems = format_problems(path)
-    return kind if not problems else None
-
-
-def _distributed_problems(path) -> list[str]:
-    from shardkit.checkpoint.format.manifest import file_records, read_manifest
-    from shardkit.storage import storage_for
-
-    store, directory = storage_for(path)
-    try:
-        records = file_records(store, directory, read_manifest(store, directory))
-    except (IncompleteCheckpointError, MetadataError, MissingShardError) as e:
-        return [str(e)]
-    problems = []
-    for name, record in records.items():
-        file_path = store.join(directory, name)
-        size = store.size_bytes(file_path) if store.exists(file_path) else None
-        if size != record.bytes:
-            problems.append(f"{file_path} is {'missing' if size is None else f'{size} bytes'}; metadata.json "
-                            f"records {record.bytes} bytes")
-    return problems
-
-
-def _hf_problems(path) -> list[str]:
-    from shardkit.hf.directory import checkpoint_problems
-
-    return checkpoint_problems(os.fspath(path))
-
-
-def _dcp_problems(path) -> list[str]:
-    from shardkit.errors import ChecksumError
-    from shardkit.sources.dcp import DcpCheckpoint
-
-    try:
-        checkpoint = DcpCheckpoint(path)  # .metadata through the restricted unpickler, chunks checked
-    except (IncompleteCheckpointError, MetadataError, MissingShardError, ChecksumError) as e:
-        return [str(e)]
-    with checkpoint:
-        store, directory = checkpoint.storage, checkpoint.directory
-        chunks = [c for t in checkpoint.tensors.values() for c in t.chunks] + list(checkpoint.values.values())
-    end_of: dict[str, int] = {}
-    for chunk in chunks:
-        end_of[chunk.file_name] = max(end_of.get(chunk.file_name, 0), chunk.offset + chunk.length)
-    problems = []
-    for file_name, end in sorted(end_of.items()):
-        file_path = store.join(directory, file_name)
-        size = store.size_bytes(file_path) if store.exists(file_path) else None
-        if size is None or size < end:
-            problems.append(f"{file_path} is {'missing' if size is None else f'{size} bytes'}; .metadata places "
-                            f"records up to byte {end} in it: the DCP save never finished")
-    return problems

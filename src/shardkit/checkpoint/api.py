@@ -48,7 +48,7 @@ from shardkit.checkpoint.background.shutdown import join_at_exit
 from shardkit.checkpoint.background.staging import stage
 from shardkit.checkpoint.background.staging_reserve import StagingReserve
 from shardkit.errors import AsyncCheckpointError
-from shardkit.sources.base import open_source
+from shardkit.sources.opening import open_source
 from shardkit.storage import storage_for
 
 __all__ = ["save", "load", "async_save", "resolve_world", "start_background", "start_background_work",
@@ -97,7 +97,7 @@ def load(state_dict, dir, *, group=None, strict: bool = True, rank_state=None, c
     """Fill ``state_dict`` in place from the checkpoint at ``dir``: shardkit's own (every version), a PyTorch
     DCP one or a Hugging Face one, whatever mesh or world size saved it.
 
-    The format is the one detector's (``shardkit.sources.detect``: ``metadata.json``, then a Hugging Face
+    The format is the one detector's (``shardkit.format_detect``: ``metadata.json``, then a Hugging Face
     weights file or index, then DCP's ``.metadata``). Each DTensor leaf receives its local box (only the
     bytes of that box are read: safetensors rows, DCP records), each plain tensor the whole tensor, each
     plain leaf its saved value. ``.bin`` files are read through ``torch.load(weights_only=True)`` and DCP's

@@ -193,7 +193,7 @@ def hf_to_distributed(
     checkpoint lacks, or whose ``full_shape`` differs from the saved one,
     raises ``TensorMismatchError``.
     """
-    from shardkit.checkpoint import save_distributed
+    from shardkit.checkpoint.saving.distributed_save import save_distributed
     from shardkit.checkpoint.format.spec import as_spec_dict, check_world
     from shardkit.hf.directory import get_checkpoint_metadata
 

@@ -110,7 +110,7 @@ def _check_distributed(tmp: str) -> list:
     """Problems with the directory just written: everything but re-hashing the data, whose block
     checksums ``write_safetensors`` took from the bytes it handed to the files (and compared with
     the source's) while writing them."""
-    from shardkit.checkpoint import validate_distributed
+    from shardkit.checkpoint.loading.validate import validate_distributed
 
     return validate_distributed(tmp, hash_bytes=False).problems
 

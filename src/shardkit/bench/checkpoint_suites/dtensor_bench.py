@@ -86,7 +86,7 @@ def _save_ranks(rank, world_size, total_mib, root):
 
 
 def _leaves(sd):
-    from shardkit.checkpoint.loading.load_into import _leaves as leaves
+    from shardkit.checkpoint.loading.load_into import state_leaves as leaves
 
     return list(leaves(sd)[0].values())
 

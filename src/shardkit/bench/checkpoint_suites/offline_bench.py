@@ -32,18 +32,17 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 
 KINDS = ("shardkit-reshard", "dcp-load-save", "shardkit-convert-dcp", "dcp_to_torch_save")
-_N_TENSORS = 16
+N_TENSORS = 16
 
 
 def _state(size_bytes: int) -> dict:
     import torch
 
-    rows = size_bytes // (_N_TENSORS * 4096 * 4)
+    rows = size_bytes // (N_TENSORS * 4096 * 4)
     g = torch.Generator().manual_seed(0)
-    return {f"model.layers.{i}.w": torch.randn(rows, 4096, generator=g) for i in range(_N_TENSORS)}
+    return {f"model.layers.{i}.w": torch.randn(rows, 4096, generator=g) for i in range(N_TENSORS)}
 
 
 def prepare(size_bytes: int, work: str) -> None:
@@ -78,67 +77,10 @@ def _dcp_save4(rank, world, path, size_bytes):
     dcp.save(state, checkpoint_id=path)
 
 
-def _dcp_reshard3(rank, world, src, dst, size_bytes):
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world,))
-    rows = size_bytes // (_N_TENSORS * 4096 * 4)
-    state = {f"model.layers.{i}.w": distribute_tensor(torch.empty(rows, 4096), mesh, [Shard(0)])
-             for i in range(_N_TENSORS)}
-    dcp.load(state, checkpoint_id=src)
-    dcp.save(state, checkpoint_id=dst)
-    return _vmhwm_bytes()
-
-
-def _vmhwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _child(kind: str, work: str, size_bytes: int) -> dict:
-    """Run one command in this (fresh) process; its seconds and peak memory."""
-    import resource
-
-    import torch  # noqa: F401 -- imported before the clock, like every kind
-
-    from shardkit.cli import main
-
-    out = os.path.join(work, "out-" + kind)
-    src_sk, src_dcp = os.path.join(work, "sk4"), os.path.join(work, "dcp4")
-    start = time.perf_counter()
-    if kind.startswith("baseline"):  # the imports the commands do, nothing else
-        import shardkit.checkpoint, shardkit.hf, shardkit.offline, shardkit.sources  # noqa: F401,E401
-        if kind == "baseline-dcp":
-            import torch.distributed.checkpoint  # noqa: F401
-    elif kind == "shardkit-reshard":
-        assert main(["reshard", src_sk, out, "--world-size", "3", "--quiet"]) == 0
-    elif kind == "dcp-load-save":
-        from shardkit.launch import run_local_ranks
-        ranks_peak_bytes = max(run_local_ranks(_dcp_reshard3, 3, src_dcp, out, size_bytes))
-    elif kind == "shardkit-convert-dcp":
-        assert main(["convert", src_dcp, out, "--from", "dcp", "--to", "hf", "--prefix", "", "--quiet"]) == 0
-    elif kind == "dcp_to_torch_save":
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-        os.makedirs(out)
-        dcp_to_torch_save(src_dcp, os.path.join(out, "model.pt"))
-    else:
-        raise ValueError(f"unknown kind {kind!r}; choose from {KINDS}")
-    seconds = time.perf_counter() - start
-    if kind != "dcp-load-save":
-        ranks_peak_bytes = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    return {"seconds": seconds, "peak_bytes": _vmhwm_bytes(), "children_peak_bytes": ranks_peak_bytes}
-
-
 def _timed(kind: str, work: str, size_bytes: int) -> dict:
     shutil.rmtree(os.path.join(work, "out-" + kind), ignore_errors=True)
-    code = ("import json, sys; from shardkit.bench.checkpoint_suites.offline_bench import _child; "
-            f"print('RESULT ' + json.dumps(_child({kind!r}, {work!r}, {size_bytes})))")
+    code = ("import json, sys; from shardkit.bench.checkpoint_suites.offline_child import run_kind; "
+            f"print('RESULT ' + json.dumps(run_kind({kind!r}, {work!r}, {size_bytes})))")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True)
     shutil.rmtree(os.path.join(work, "out-" + kind), ignore_errors=True)
     if proc.returncode != 0:
@@ -179,7 +121,7 @@ def rows_of(measured: dict, size_bytes: int) -> list[dict]:
     def peak(kind):
         return max(max(r["peak_bytes"], r["children_peak_bytes"]) for r in runs[kind]) - base(kind)
 
-    largest = size_bytes // _N_TENSORS
+    largest = size_bytes // N_TENSORS
     out = []
     for case, ours, peer, note in (
             ("offline reshard 4->3", "shardkit-reshard", "dcp-load-save", "dcp.load on 3 ranks + dcp.save"),

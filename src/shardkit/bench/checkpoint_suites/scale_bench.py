@@ -48,29 +48,13 @@ import sys
 import threading
 import time
 
+from shardkit.bench.checkpoint_suites.scale_state import load_checked, states, steady_directories
+
 DEFAULT_RANKS = (8, 32, 64)
 DEFAULT_TENSORS = 32
 COLUMNS = ("metadata_bytes", "first_save_wall_s", "save_wall_s", "rank0_save_cpu_s", "ranks_first_save_cpu_s",
            "ranks_save_cpu_s", "exchanges_wall_s", "load_s",
            "rank0_recv_bytes", "rank0_sent_bytes", "rank0_collectives")
-
-
-#: Saves after the first in each row: "save wall" is their median, "first save wall" the first's.
-STEADY_SAVES = 3
-
-
-def steady_directories(directory: str) -> list[str]:
-    """Where a row's saves after the first go: one new directory each, beside ``directory``."""
-    return [f"{directory}.steady{i}" for i in range(STEADY_SAVES)]
-
-
-def states(rank: int, tensors: int):
-    """One rank's state: ``tensors`` replicated tiny tensors and ``tensors`` of its own (its ``rank_state``)."""
-    import torch
-
-    shared = {f"model.w{i}": torch.arange(4, dtype=torch.float32) + i for i in range(tensors)}
-    own = {f"shard{i}": torch.full((4,), float(rank * 1000 + i)) for i in range(tensors)}
-    return shared, own
 
 
 def _on_threads(groups, fn, join_timeout_s: float) -> list:
@@ -149,25 +133,6 @@ def load_one(group, tensors: int, directory: str) -> float:
     """Seconds for ``group``'s rank to load its part (``load`` issues no collective, so any thread
     may call it alone); checks the values."""
     return load_checked(group.rank, tensors, directory, group)
-
-
-def load_checked(rank: int, tensors: int, directory: str, group=None) -> float:
-    """Seconds for rank ``rank`` of ``group`` (None: the default process group) to load its part; checks the values."""
-    import torch
-
-    from shardkit.checkpoint import load
-
-    shared, own = states(rank, tensors)
-    zero_shared = {k: torch.zeros_like(v) for k, v in shared.items()}
-    zero_own = {k: torch.zeros_like(v) for k, v in own.items()}
-    start = time.perf_counter()
-    load(zero_shared, directory, group=group, rank_state=zero_own)
-    seconds = time.perf_counter() - start
-    for got, want in ((zero_shared, shared), (zero_own, own)):
-        for k in want:
-            if not torch.equal(got[k], want[k]):
-                raise AssertionError(f"rank {rank}: {k} loaded {got[k].tolist()}, saved {want[k].tolist()}")
-    return seconds
 
 
 def close_all(groups) -> None:

@@ -47,7 +47,7 @@ import subprocess
 import sys
 import time
 
-from shardkit.bench.checkpoint_suites.scale_bench import states, steady_directories
+from shardkit.bench.checkpoint_suites.scale_state import states, steady_directories
 
 
 def _timed_between_barriers(fn) -> tuple[float, float]:
@@ -111,7 +111,7 @@ def _load_alone(rank: int, world_size: int, tensors: int, directory: str) -> flo
     """Ranks 0 and world_size-1 each load while every other rank waits at a barrier; their seconds."""
     import torch.distributed as dist
 
-    from shardkit.bench.checkpoint_suites.scale_bench import load_checked
+    from shardkit.bench.checkpoint_suites.scale_state import load_checked
 
     seconds = None
     for loader in sorted({0, world_size - 1}):

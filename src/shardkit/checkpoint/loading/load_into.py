@@ -176,6 +176,3 @@ def replace_plain(node: Any, path: str, values: dict[str, Any]) -> Any:
         changed = any(a is not b for a, b in zip(items, node))
         return node if not changed else tuple(items) if type(node) is tuple else type(node)(*items)
     return values[path] if path in values else node
-
-
-_leaves = state_leaves  # the name tests and older callers use

@@ -78,7 +78,7 @@ from shardkit.checkpoint.format.ownership import mark_owned, owned_listing, samp
 from shardkit.errors import (
     AsyncWaitTimeout, CheckpointError, CheckpointExistsError, MetadataError,
 )
-from shardkit.sources.detect import complete_kind
+from shardkit.sources.completeness import complete_kind
 from shardkit.storage import is_temp_name, storage_for
 from shardkit.storage.json_io import NON_FINITE
 

@@ -24,19 +24,18 @@ from torch import Tensor
 from torch.nn import Module
 
 from shardkit import knobs
-from shardkit.dtypes import from_safetensors_name
 from shardkit.errors import MetadataError, MissingShardError, TensorMismatchError
 from shardkit.hf.bin_io import read_bin_shard
 from shardkit.hf.index import (
     ShardIndex,
     alias_to_source,
     check_index,
-    files_to_names,
     load_shard_index,
     sharing_of,
 )
-from shardkit.hf.loading.load_checks import check_shape, check_shards, refuse_missing, require_shard
-from shardkit.hf.shard_io import map_shard, read_shard, shard_header
+from shardkit.hf.loading.load_checks import check_shape, check_shards, refuse_missing
+from shardkit.hf.loading.shard_reads import read_files
+from shardkit.hf.shard_io import shard_header
 from shardkit.hf.sharing import check_ties, create_sharing_metadata, retie_parameters
 from shardkit.hf.untrusted import hostile_input, non_regular_problems
 from shardkit.storage import storage_for
@@ -187,7 +186,7 @@ def _load_distributed(model_dir, module, device, strict, assign, keys):
     module ties to a saved name count as provided, each tie is read once and tied again after the
     load. Every tensor is read, and its shape checked against the manifest, before the module changes.
     """
-    from shardkit.checkpoint import read_metadata
+    from shardkit.checkpoint.loading.distributed_load import read_metadata
     from shardkit.hf.convert import load_distributed_flat
 
     if module is None:
@@ -284,66 +283,10 @@ def _load_dict(model_dir, weight_map, aliases, device, safetensors, keys, debug,
             f"({len(weight_map)} tensors); check the names (e.g. {list(weight_map)[:3]})"
         )
     sources = list(dict.fromkeys(aliases.get(k, k) for k in wanted))
-    loaded = _read_files(model_dir, weight_map, sources, safetensors, debug, mmap=mmap)
+    loaded = read_files(model_dir, weight_map, sources, safetensors, debug, mmap=mmap)
     if torch.device(device).type != "cpu":
         loaded = {n: t.to(device) for n, t in loaded.items()}
     return {k: loaded[aliases.get(k, k)] for k in wanted}
-
-
-def _read_files(model_dir, weight_map, names, safetensors, debug, targets=None, mmap=False) -> Dict[str, Tensor]:
-    """Read ``names`` file by file; into ``targets[name]`` where given, else fresh CPU tensors
-    (or, with ``mmap``, tensors over maps of the files)."""
-    store, root = storage_for(model_dir)
-    out: Dict[str, Tensor] = {}
-    # .bin files first: they are read into fresh memory, so a failure in one leaves the module untouched.
-    for file_name, in_file in sorted(files_to_names(weight_map, names).items(), key=_is_safetensors):
-        path = store.join(root, file_name)
-        if debug:
-            print(f"shardkit.hf: reading {len(in_file)} tensors from {path}")
-        require_shard(store, path, file_name, model_dir)
-        # The extension decides (the index check allows only the expected one), so a
-        # wrong ``safetensors=`` flag cannot send a safetensors file to torch.load.
-        if file_name.endswith(".safetensors"):
-            out.update(_read_safetensors(store, path, in_file, targets or {}, mmap))
-        else:
-            out.update(_read_bin(path, store, in_file))
-    return out
-
-
-def _is_safetensors(file_and_names) -> bool:
-    return file_and_names[0].endswith(".safetensors")
-
-
-def _read_safetensors(store, path, names, targets, mmap) -> Dict[str, Tensor]:
-    if mmap and not targets:
-        mapped = map_shard(store, path, names)
-        if mapped is not None:
-            return mapped
-
-    def buffer_for(name, entry):
-        target = targets.get(name)
-        if target is not None and _fits(target, entry):
-            return target.detach()  # read straight into the module's memory
-        return torch.empty(entry.shape, dtype=from_safetensors_name(entry.dtype))
-
-    return read_shard(store, path, names, buffer_for)
-
-
-def _fits(target: Tensor, entry) -> bool:
-    return (
-        target.device.type == "cpu"
-        and target.is_contiguous()
-        and tuple(target.shape) == tuple(entry.shape)
-        and target.dtype == from_safetensors_name(entry.dtype)
-    )
-
-
-def _read_bin(path, store, names) -> Dict[str, Tensor]:
-    tensors = read_bin_shard(store, path)
-    missing = [n for n in names if n not in tensors]
-    if missing:
-        raise MissingShardError(f"the index places {missing[:5]} in {path}, but the file does not hold them")
-    return {n: tensors[n] for n in names}
 
 
 def _load_module(model_dir, shard_index, aliases, module, device, safetensors, strict, assign, debug, mmap) -> Set[str]:
@@ -357,7 +300,7 @@ def _load_module(model_dir, shard_index, aliases, module, device, safetensors, s
     if targets:  # reads in place: refuse what would stop the load part-way before the first one
         check_shards(model_dir, weight_map, own, own_to_stored)
     with torch.no_grad():
-        loaded = _read_files(model_dir, weight_map, list(own_to_stored.values()), safetensors, debug, targets, mmap)
+        loaded = read_files(model_dir, weight_map, list(own_to_stored.values()), safetensors, debug, targets, mmap)
         _install(module, own, {name: loaded[stored] for name, stored in own_to_stored.items()}, device, assign)
     _retie_from_index(module, model_dir, sharing_of(shard_index))
     retie_parameters(module, _loaded_first(own_ties, set(own_to_stored)))

@@ -55,7 +55,7 @@ def check_shards(model_dir, weight_map, own, own_to_stored: Dict[str, str]) -> N
     index places there, in the module's shapes. Metadata only: each header is
     read again by the load itself (headers are small); tensor bytes are not
     read, and a ``.bin`` is checked when it is read (before any in-place read,
-    see :func:`shardkit.hf.loading.load._read_files`).
+    see :func:`shardkit.hf.loading.shard_reads.read_files`).
     """
     store, root = storage_for(model_dir)
     stored_to_own = {stored: name for name, stored in own_to_stored.items()}
