@@ -18,20 +18,22 @@ from shardkit.errors import MetadataError
 from shardkit.sizes import size_bytes
 
 SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", "scale", "s3", "comm-gpu",
-          "load-any", "gil")
+          "load-any", "gil", "fsdp2", "hf-in-job")
 #: What runs without ``--only``: ``offline`` (the CLI tools against DCP, two extra source checkpoints and
 #: rank processes), ``scale`` (8/32/64 ranks as processes, then as threads, tiny tensors; ``--size`` does not apply) and ``s3``
 #: (a SeaweedFS server on loopback; needs the ``weed`` binary of requirements-dev.txt) and ``comm-gpu``
 #: (an NCCL group's wait modes on one GPU; needs CUDA) and ``load-any`` (``checkpoint.load`` of a Hugging Face
 #: and a DCP checkpoint against ``dcp.load``, 4 and 3 rank processes; ``load_any_bench``) and ``gil`` (a tiny
 #: Llama trained while background saves are in flight, against ``dcp.async_save``'s two modes; ``gil_bench``)
-#: run only when asked for.
+#: and ``fsdp2`` (an FSDP2 + Adam state saved on 4 rank processes and loaded on 3; ``dtensor_bench``) and
+#: ``hf-in-job`` (a Hugging Face export of a DTensor state from 4 ranks; ``hf_in_job_bench``) run only when
+#: asked for.
 DEFAULT_SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 
 
 #: The state size when ``--size`` is not given, per suite (the others: ``DEFAULT_SIZE``).
 DEFAULT_SIZE = "1GiB"
-SUITE_DEFAULT_SIZES = {"s3": "512MiB", "load-any": "512MiB", "gil": "300MiB"}
+SUITE_DEFAULT_SIZES = {"s3": "512MiB", "load-any": "512MiB", "gil": "300MiB", "hf-in-job": "512MiB"}
 
 
 def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
@@ -71,6 +73,14 @@ def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
         from shardkit.bench.checkpoint_suites.gil_bench import run_gil_benchmarks
 
         return run_gil_benchmarks(size, reps, workdir)
+    if name == "fsdp2":
+        from shardkit.bench.checkpoint_suites.dtensor_bench import run_dtensor_benchmarks
+
+        return run_dtensor_benchmarks(size, reps, workdir)
+    if name == "hf-in-job":
+        from shardkit.bench.hf_suites.hf_in_job_bench import run_hf_in_job_benchmarks
+
+        return run_hf_in_job_benchmarks(size, reps, workdir)
     if name == "ddp":
         from shardkit.bench.comm_suites.ddp_bench import run_ddp_benchmarks
 

@@ -10,20 +10,22 @@ model + two moments, about ``--mib`` MiB in all, on 4 ranks. Rows:
   (DCP given a dedicated Gloo group, as torchtitan does; shardkit makes its own).
 
 Every timed call starts after a barrier and ends with one, so a time is the slowest rank's.
-Run: ``python -m shardkit.bench.checkpoint_suites.dtensor_bench --mib 1024 --workdir /fast/disk``.
+Run: ``shardkit bench --only fsdp2 --size 1GiB`` (rows in the side-by-side table, ``--reps`` runs each), or
+``python -m shardkit.bench.checkpoint_suites.dtensor_bench --mib 1024 --workdir /fast/disk`` (one run, printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-from shardkit.bench.common import barrier_timed
+from shardkit.bench.common import barrier_timed, row
 from shardkit.launch import run_local_ranks
 
 
@@ -107,6 +109,47 @@ def _load_ranks(rank, world_size, total_mib, root, impl):
     else:
         seconds = barrier_timed(lambda: dcp.load(state, checkpoint_id=f"{root}/dcp"))
     return {"seconds": seconds, "peak_extra": _status_bytes("VmHWM") - before, "out_bytes": out_bytes}
+
+
+#: (case, shardkit's key, the peer's key) of the save rows ``_save_ranks`` times.
+SAVE_CASES = (("FSDP2 save, 4 ranks", "shardkit save", "dcp.save"),
+              ("FSDP2 async_save blocking, 4 ranks", "shardkit async_save (blocking)", "dcp.async_save (blocking)"))
+
+
+def _timing(seconds: list[float]) -> dict:
+    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds)}
+
+
+def run_dtensor_benchmarks(size_bytes: int, reps: int, workdir: str) -> list[dict]:
+    """``shardkit bench --only fsdp2``: the rows above for an FSDP2 + Adam state of about ``size_bytes``,
+    each figure over ``reps`` runs (a run: save on 4 ranks, then load 4 -> 3 with each implementation)."""
+    mib = max(1, size_bytes // 2**20)
+    times: dict[tuple[str, str], list[float]] = {}
+    peaks: dict[str, list[int]] = {"shardkit": [], "dcp": []}
+    state_bytes = out_bytes = 0
+    for _ in range(max(1, reps)):
+        root = tempfile.mkdtemp(prefix="shardkit-dtensor-bench-", dir=workdir)
+        try:
+            saved = run_local_ranks(_save_ranks, 4, mib, root, timeout_s=1800)
+            state_bytes = sum(r["state_bytes"] for r in saved)
+            for case, ours, peer in SAVE_CASES:
+                times.setdefault((case, "shardkit"), []).append(max(r[ours] for r in saved))
+                times.setdefault((case, peer), []).append(max(r[peer] for r in saved))
+            for impl in ("shardkit", "dcp"):
+                loads = run_local_ranks(_load_ranks, 3, mib, root, impl, timeout_s=1800)
+                times.setdefault(("FSDP2 load 4 -> 3 ranks", impl if impl == "shardkit" else "dcp.load"),
+                                 []).append(max(r["seconds"] for r in loads))
+                peaks[impl].append(max(r["peak_extra"] for r in loads))
+                out_bytes = max(r["out_bytes"] for r in loads)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    rows = []
+    for (case, impl), seconds in times.items():
+        extra = {"bytes": state_bytes}
+        if case.startswith("FSDP2 load"):
+            extra.update(peak_bytes=max(peaks["shardkit" if impl == "shardkit" else "dcp"]), out_bytes=out_bytes)
+        rows.append(row(case, impl, _timing(seconds), kind="peer", **extra))
+    return rows
 
 
 def main(argv=None) -> None:

@@ -16,7 +16,8 @@ rank's. Each figure is the median of ``--reps`` runs (min and max shown). Both
 outputs are checked to hold the same bf16 tensors once. Not a test: nothing here
 asserts a time.
 
-Run: ``python -m shardkit.bench.hf_suites.hf_in_job_bench --mib 512 --ranks 4 --workdir /fast/disk``.
+Run: ``shardkit bench --only hf-in-job --size 512MiB`` (rows in the side-by-side table), or
+``python -m shardkit.bench.hf_suites.hf_in_job_bench --mib 512 --ranks 4 --workdir /fast/disk``.
 """
 
 from __future__ import annotations
@@ -110,6 +111,25 @@ def _same_output(workdir: str) -> bool:
 
     a, b = tensors(os.path.join(workdir, "out0")), tensors(os.path.join(workdir, "out2"))
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def run_hf_in_job_benchmarks(size_bytes: int, reps: int, workdir: str, ranks: int = 4) -> list[dict]:
+    """``shardkit bench --only hf-in-job``: the export above of an fp32 state of about ``size_bytes`` on
+    ``ranks`` Gloo ranks, ``reps`` runs of each; shardkit's fsync'd export is the ``shardkit`` row."""
+    from shardkit.bench.common import row
+
+    out = tempfile.mkdtemp(prefix="hf-in-job-", dir=workdir)
+    mib = max(1, size_bytes // 2**20)
+    try:
+        times = run_local_ranks(_rank, ranks, mib, out, max(1, reps), timeout_s=3600)[0]
+        if not _same_output(out):
+            raise AssertionError("shardkit's and DCP's exports hold different tensors")
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    case = f"HF export in the job, {ranks} ranks"
+    return [row(case, "shardkit" if name.endswith("fsync'd") else name,
+                {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)})
+            for name, ts in times.items()]
 
 
 def main() -> None:
