@@ -146,7 +146,7 @@ def test_bad_arguments(tmp_path):
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_sigkill_during_a_save_is_ignored_and_cleaned_up(tmp_path, mode):
-    child = os.path.join(os.path.dirname(__file__), "manager_crash_child.py")
+    child = os.path.join(os.path.dirname(os.path.dirname(__file__)), "manager_crash_child.py")
     proc = subprocess.run([sys.executable, child, str(tmp_path), mode], timeout=120, capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert (tmp_path / "step-3" / "rank_0.safetensors").exists()          # killed mid-save
