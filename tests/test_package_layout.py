@@ -169,3 +169,24 @@ def test_no_submodule_is_named_like_a_public_name_of_its_package(package):
     folder = SRC / Path(*package.split("."))
     children = {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir() if (p / "__init__.py").exists()}
     assert not (public & children), f"{package}: submodules named like public names: {sorted(public & children)}"
+
+
+ENGINE = ("shardkit.checkpoint.format", "shardkit.checkpoint.planning", "shardkit.checkpoint.coordination",
+          "shardkit.checkpoint.saving", "shardkit.checkpoint.loading", "shardkit.storage", "shardkit.format_detect")
+ABOVE_THE_ENGINE = ("shardkit.sources", "shardkit.checkpoint.api", "shardkit.checkpoint.manager", "shardkit.cli")
+
+
+def test_the_checkpoint_engine_and_storage_never_reach_up():
+    """``docs/architecture.md``: the engine sits below ``sources/`` and the public entry points above it."""
+    graph = _graph()
+    found = []
+    for module in (m for m in graph if m.startswith(ENGINE)):
+        seen, stack = set(), [module]
+        while stack:
+            for nxt in graph[stack.pop()] - seen:
+                seen.add(nxt)
+                stack.append(nxt)
+        up = sorted(m for m in seen if m.startswith(ABOVE_THE_ENGINE) or m == "shardkit.checkpoint")
+        if up:
+            found.append(f"{module} reaches {up[:3]}")
+    assert not found, "\n".join(found)
