@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardkit.cli._tools import add_common, guarded, progress_bar
+from shardkit.cli._tools import add_common, progress_bar
 from shardkit.cli.json_out import json_text
 from shardkit.cli.target import check_from, checkpoint_kind
 from shardkit.errors import InputError
@@ -50,7 +50,7 @@ def register(sub) -> None:
     p.add_argument("--config", default=None, help="a config.json to write beside the weights (--to hf)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     add_common(p)
-    p.set_defaults(run=guarded("convert", run))
+    p.set_defaults(run=run)
 
 
 def run(args) -> int:
