@@ -127,8 +127,10 @@ def run_hf_in_job_benchmarks(size_bytes: int, reps: int, workdir: str, ranks: in
     finally:
         shutil.rmtree(out, ignore_errors=True)
     case = f"HF export in the job, {ranks} ranks"
+    # shardkit's export without fsync is its own variant, not a peer
     return [row(case, "shardkit" if name.endswith("fsync'd") else name,
-                {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)})
+                {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)},
+                kind="peer" if name.startswith("dcp") else "variant")
             for name, ts in times.items()]
 
 
