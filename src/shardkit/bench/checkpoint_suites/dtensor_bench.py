@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardkit.bench.common import barrier_timed, row
+from shardkit.bench.common import barrier_timed, peak_rss, reset_peak_rss, row
 from shardkit.launch import run_local_ranks
 
 
@@ -48,14 +48,6 @@ def _state(model, optim):
 
     model_sd, optim_sd = get_state_dict(model, optim)
     return {"model": model_sd, "optim": optim_sd, "step": 1}
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _save_ranks(rank, world_size, total_mib, root):
@@ -101,14 +93,12 @@ def _load_ranks(rank, world_size, total_mib, root, impl):
     model, optim = _model(total_mib, world_size)
     state = _state(model, optim)
     out_bytes = sum(t.to_local().numel() * t.element_size() for t in _leaves(state) if hasattr(t, "to_local"))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_bytes("VmRSS")
+    before = reset_peak_rss()
     if impl == "shardkit":
         seconds = barrier_timed(lambda: ckpt.load(state, f"{root}/sk"))
     else:
         seconds = barrier_timed(lambda: dcp.load(state, checkpoint_id=f"{root}/dcp"))
-    return {"seconds": seconds, "peak_extra": _status_bytes("VmHWM") - before, "out_bytes": out_bytes}
+    return {"seconds": seconds, "peak_extra": peak_rss() - before, "out_bytes": out_bytes}
 
 
 #: (case, shardkit's key, the peer's key) of the save rows ``_save_ranks`` times.
