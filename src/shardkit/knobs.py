@@ -100,7 +100,7 @@ STAGING_PREFAULT: bool = True
 
 #: A load's outputs allocated by the load (not ``out=``, not mapped) are faulted in with
 #: ``madvise(MADV_POPULATE_WRITE)`` on the I/O threads before the reads fill
-#: them (``checkpoint.execute``); False leaves the faults to the copies.
+#: them (``checkpoint.loading.execute``); False leaves the faults to the copies.
 LOAD_PREFAULT: bool = True
 
 #: Only outputs of at least this many bytes. Smaller ones are mostly heap
@@ -113,7 +113,7 @@ LOAD_PREFAULT: bool = True
 LOAD_PREFAULT_MIN_BYTES: int = 1024 * 1024
 
 #: Local reads of at least this many bytes copy from a read-only map of the
-#: file (non-temporal copies; see ``storage.local._LocalReader``) instead of
+#: file (non-temporal copies; see ``storage.backends.local._LocalReader``) instead of
 #: ``preadv``. ``MMAP_READS = False`` reads everything with ``preadv``.
 MMAP_READS: bool = True
 MMAP_READ_MIN_BYTES: int = 1024 * 1024
@@ -129,7 +129,7 @@ SMALL_FILE_BYTES: int = 4 * 1024 * 1024
 WRITE_THREADS: int = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 #: Durable local saves write with ``O_DIRECT`` through aligned bounce buffers
-#: (``storage.direct_io``), skipping the page cache; ``DIRECT_IO = False``
+#: (``storage.fast_io.direct_io``), skipping the page cache; ``DIRECT_IO = False``
 #: writes through the page cache with early writeback instead. Blocks of
 #: ``DIRECT_IO_BLOCK_BYTES``, ``DIRECT_IO_QUEUE_DEPTH`` of them in flight
 #: (measured on the 2-core VM: 16 MiB x 4 wrote 2 GiB in 1.1 s; 8 MiB x 1-4 in 1.3-1.7 s).
@@ -157,7 +157,7 @@ HASH_SLICE_BYTES: int = 4 * 1024 * 1024
 #: stride: 1.15-1.32x; each 4 MiB slice in a second call: 1.38x). A load that
 #: maps (``MAP_LOADS``) hashes the whole blocks its maps lie in, from the
 #: mapped pages, on the I/O threads, before it returns
-#: (``storage.tensor_io.map_verified``). From object stores, a block a rank
+#: (``storage.safetensors_format.tensor_io.map_verified``). From object stores, a block a rank
 #: needs only part of is downloaded whole to be hashed while the load's
 #: ``VERIFY_EXTRA_READ_FRACTION`` allowance lasts, else read unverified;
 #: ``validate_distributed`` always re-hashes every byte.

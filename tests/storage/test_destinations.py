@@ -1,4 +1,4 @@
-"""storage.destinations: which destination tensors share memory, so that no two parallel reads race on one byte."""
+"""storage.fast_io.destinations: which destination tensors share memory, so that no two parallel reads race on one byte."""
 
 import itertools
 

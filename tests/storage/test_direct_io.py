@@ -1,4 +1,4 @@
-"""storage.direct_io: O_DIRECT writes through bounce buffers give the same bytes, or fall back.
+"""storage.fast_io.direct_io: O_DIRECT writes through bounce buffers give the same bytes, or fall back.
 
 Small blocks (two pages) and a queue of two make every boundary case cheap:
 pieces that straddle blocks, an exact multiple of the block, an empty file,

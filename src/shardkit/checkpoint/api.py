@@ -218,7 +218,7 @@ def stage_for_background(prep, background, dir) -> None:
 
 def reserve_staging(prep, background) -> None:
     """Start making the staging buffers the next save on ``background`` copies ``prep``'s tensors into:
-    allocated and faulted in on a thread of their own (``checkpoint.staging_reserve``), so that save
+    allocated and faulted in on a thread of their own (``checkpoint.background.staging_reserve``), so that save
     blocks only for the copy. Raises :class:`AsyncCheckpointError` while a save on ``background`` is
     in flight (its buffers are busy); replaces an earlier reserve."""
     key = _key(background)

@@ -84,7 +84,7 @@ def map_shard(storage: Storage, path: str, names: list[str]) -> dict[str, torch.
 
     Nothing is read now: pages come from the page cache (or disk) when the
     tensors are first touched, or earlier from a background thread that maps
-    the named tensors' pages ahead of use (``storage.read_ahead``;
+    the named tensors' pages ahead of use (``storage.fast_io.map_prefetch``;
     ``knobs.MAP_PREFETCH``), and memory is shared with the page cache until
     a tensor is written to (writes stay private, never reaching the file).
     The header is checked as in :func:`read_shard`, read from the map itself. A tensor whose offset is

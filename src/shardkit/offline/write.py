@@ -8,7 +8,7 @@ one before, in two reused buffers: peak memory is about two of the largest
 chunks moved, never the checkpoint. Files are the formats' own: a
 distributed checkpoint is written by the engine ``save`` uses (format
 version 2: ``plan.spec_chunk_plan``, ``chunked_save.write_data_file`` per
-rank, ``chunked_save.commit`` last); HF output by ``hf.export_write``. Every
+rank, ``chunked_save.commit`` last); HF output by ``hf.saving.export_write``. Every
 reader (``load``, ``load_distributed``, ``transformers``) reads the result. Output goes
 through :func:`~shardkit.offline.publish.publish_directory`.
 

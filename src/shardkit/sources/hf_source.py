@@ -3,7 +3,7 @@
 Reads the index (or the single file's header) and every safetensors header
 once (each file checked as ``shardkit.hf`` checks it: a regular file, a
 whole, well-formed header). A box of a safetensors tensor is read through
-the checkpoint engine (``checkpoint.plan.plan_load`` + ``execute.run_loads``):
+the checkpoint engine (``checkpoint.planning.plan.plan_load`` + ``execute.run_loads``):
 to it a safetensors tensor is one chunk covering the whole tensor, so a rank
 reads only the rows (byte ranges) of its box, in parallel, straight into
 the caller's tensor when it can. A ``.bin`` file has no byte layout to

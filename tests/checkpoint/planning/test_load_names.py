@@ -1,4 +1,4 @@
-"""``checkpoint.load_names.plan_names``: which checkpoint name fills which state leaf (pure, no tensors)."""
+"""``checkpoint.planning.load_names.plan_names``: which checkpoint name fills which state leaf (pure, no tensors)."""
 
 from __future__ import annotations
 

@@ -153,7 +153,7 @@ def bench_verify_mapped(state, workdir: str, reps: int) -> list[dict]:
     """A fresh zero-copy load with every page touched: verified (the default) vs not vs ``dcp.load``, interleaved.
 
     ``shardkit`` maps the file and hashes every block from the mapped pages
-    before it returns (``storage.tensor_io.map_verified``), then one element
+    before it returns (``storage.safetensors_format.tensor_io.map_verified``), then one element
     per page is read; ``shardkit verify=False`` is the same load unhashed
     (its pages faulted by the touches); ``dcp.load`` fills tensors allocated
     inside the call (then touched alike). ``one xxh3 pass`` hashes the same
@@ -264,7 +264,7 @@ def bench_async(state, workdir: str, reps: int, size_bytes: int | None = None) -
     """Time the caller is blocked by a background save: the first call, and the steady state.
 
     ``async first call``: each implementation's first call in a process of
-    its own (``bench.async_first``: same state, same preparation, the
+    its own (``bench.checkpoint_suites.async_first``: same state, same preparation, the
     staging memory whatever a fresh process gets), shardkit's
     ``save_async`` and ``dcp.async_save`` alternating, one child per run.
     Each row keeps every child's time (``runs_s``), and shardkit's rows the

@@ -12,7 +12,7 @@ of ``python -m shardkit.bench.checkpoint_suites.scale_bench``; ``--only scale`` 
   ``metadata.json`` holds ranks x tensors chunk records), plus ``tensors``
   replicated tiny plain tensors (written once each);
 - rank 0's received and sent bytes and collectives are counted by
-  ``checkpoint.group.EXCHANGE_OBSERVERS`` during the save;
+  ``checkpoint.coordination.group.EXCHANGE_OBSERVERS`` during the save;
 - "first save wall" is the whole collective save (all ranks share the GIL, so
   it sums every rank's work), the first in the row; "save wall" the median of
   the ``STEADY_SAVES`` after it, into new directories, as a training job

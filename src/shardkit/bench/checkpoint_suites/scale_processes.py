@@ -20,7 +20,7 @@ the same state per rank as the thread rows:
 - "load" is one rank's ``load`` while the others wait at a barrier (a
   blocking wait, no CPU), the faster of ranks 0 and ranks-1;
 - rank 0's received and sent bytes and collectives are counted in rank 0's
-  process by ``checkpoint.group.EXCHANGE_OBSERVERS``.
+  process by ``checkpoint.coordination.group.EXCHANGE_OBSERVERS``.
 
 A control (``python -m shardkit.bench.checkpoint_suites.scale_processes JOBS RANKS TENSORS``,
 :func:`per_rank_cpu_one_job_vs_many`): the per-rank CPU of one job of

@@ -39,7 +39,7 @@ allocation (for CUDA, the slow pinned allocation). That costs one CPU copy
 of the state for the checkpointer's lifetime; ``reuse_buffers=False`` or
 :meth:`AsyncCheckpointer.close` gives it back. The first save faults its new
 host buffers in on helper jobs running ahead of the copy (see
-``checkpoint.staging``); ``prepare()`` moves even that out of the first
+``checkpoint.background.staging``); ``prepare()`` moves even that out of the first
 save, and ``prepare(state, background=True)`` off the caller's thread.
 
 Groups. With ``group=None`` no collective is issued (the seed's behaviour;
@@ -165,7 +165,7 @@ class AsyncCheckpointer:
         every page of it in, while the caller waits. ``background=False``
         does it all before returning (call it at start-up, when a pause costs
         nothing). ``background=True`` returns at once and does it on a thread
-        of its own (``checkpoint.staging_reserve``) while training goes on; the
+        of its own (``checkpoint.background.staging_reserve``) while training goes on; the
         next ``save_async`` takes over what is ready and faults in the rest
         itself, so calling it too late costs nothing extra. It holds one host
         copy of the state from now on, as a checkpointer does after its first

@@ -3,13 +3,13 @@
 Used by :class:`~shardkit.checkpoint.background.checkpointer.AsyncCheckpointer` on the
 caller's thread, so this is the part of a background save the caller waits
 for. Host tensors are copied in chunks on a few threads (non-temporal
-stores where ``storage.memcopy`` has them, else ``memmove``); CUDA
+stores where ``storage.fast_io.memcopy`` has them, else ``memmove``); CUDA
 tensors go to pinned buffers with non-blocking copies and one synchronize
 per device. It writes no file and issues no collective.
 
 Fresh buffers (a first save, or a leaf whose shape changed) are faulted in
 by helper jobs (one per core) running ahead of the copies, a chunk at a time, with
-``storage.prefault.populate_for_write`` (one system call per chunk instead of
+``storage.fast_io.prefault.populate_for_write`` (one system call per chunk instead of
 a trap per page), so the copy of chunk ``i`` overlaps the faulting of chunk
 ``i + 1``: on a VM that hands out fresh memory slowly, the page faults are
 most of a first save's cost.
@@ -137,7 +137,7 @@ def _raw_bytes_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
 def copy_host(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, fresh: Iterable[torch.Tensor] = ()) -> None:
     """Copy each CPU ``src`` into its CPU ``dst`` (same shape and dtype), in chunks on the I/O threads.
 
-    Contiguous tensors are copied as runs of bytes (``storage.memcopy.copy_bytes``:
+    Contiguous tensors are copied as runs of bytes (``storage.fast_io.memcopy.copy_bytes``:
     non-temporal stores where available), cut into ``knobs.IO_CHUNK_BYTES``
     pieces and batched so small tensors share threads too; the jobs run on
     ``storage.run_parallel``. Anything not a plain run of bytes
@@ -148,7 +148,7 @@ def copy_host(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, fresh: Iterable
     per core, at most ``knobs.IO_THREADS - 1``) fault their pages in, batch
     by batch in copy order (helper ``j`` takes batches ``j, j + n, ...``),
     and each batch's copy waits only for its own batch: faulting runs ahead
-    of the copies instead of inside them (see ``storage.prefault``). They are
+    of the copies instead of inside them (see ``storage.fast_io.prefault``). They are
     the first jobs handed to the pool, so they have started before any copy
     can wait for them.
 

@@ -2,11 +2,11 @@
 
 A first ``save_async`` must allocate one host copy of the state and touch
 every page of it before it can return; on a VM that hands out fresh memory
-slowly that is most of what the caller waits for (``checkpoint.staging``).
+slowly that is most of what the caller waits for (``checkpoint.background.staging``).
 :class:`StagingReserve` does that work earlier, while the caller goes on
 (start-up, the first training steps): it allocates a buffer per tensor leaf
 of a state, exactly as ``staging.stage`` would, and faults each one in with
-``storage.prefault.populate_for_write``, a chunk at a time, on a daemon
+``storage.fast_io.prefault.populate_for_write``, a chunk at a time, on a daemon
 thread. The save then takes the buffers over with :meth:`StagingReserve.take`,
 which stops the thread after its current chunk (a few milliseconds for host
 memory; a CUDA tensor's pinned buffer is allocated in one call, which can

@@ -19,7 +19,7 @@ block, the tensor and ``shardkit validate``) instead of loading:
   raised it, the tensors may hold the bad block's bytes;
 - a **zero-copy** load (below) hashes the whole blocks its maps lie in, from
   the mapped pages themselves, on the I/O threads, **before it returns**
-  (``storage.tensor_io.map_verified``): the caller never holds a mapped
+  (``storage.safetensors_format.tensor_io.map_verified``): the caller never holds a mapped
   byte that was not verified, and the pass is also the pages' first touch
   (a fresh 1 GiB load with every page touched, 2-core VM shared with other
   jobs, 21 interleaved rounds: median 0.19 s verified, 0.10 s unverified,

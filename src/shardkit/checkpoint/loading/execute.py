@@ -171,7 +171,7 @@ def _mapped_outputs(files: OpenFiles, plans: list[TensorLoad],
     local file (the same-world-size load, a replicated tensor, a
     ``Shard(0)`` chunk) and the load may map (``files.may_map``). With
     ``files.verify``, every checksum block those ranges lie in is hashed from
-    the maps before this returns (``storage.tensor_io.map_verified``: a
+    the maps before this returns (``storage.safetensors_format.tensor_io.map_verified``: a
     corrupt byte raises ``ChecksumError``); nothing is copied, pages come
     from the page cache, writes stay private. The others are left out: the
     caller allocates and reads them.

@@ -24,7 +24,7 @@ rows at a time through one scratch buffer of at most :data:`SLAB_BYTES`
 that buffer, not a box, and its pages are faulted once, not once per box.
 With ``prefault`` (``checkpoint.load``), each contiguous CPU target's
 own pages are faulted in before it is written, in one call
-(``storage.prefault.populate_for_write``), not 4 KiB by 4 KiB inside
+(``storage.fast_io.prefault.populate_for_write``), not 4 KiB by 4 KiB inside
 ``copy_`` (~15% of a fresh cast on the benchmark VM). Not asked for as
 huge pages: ``MADV_HUGEPAGE`` made some loads 3x faster and others 5x
 slower (direct compaction, ``defrag=madvise``).

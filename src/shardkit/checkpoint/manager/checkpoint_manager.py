@@ -18,7 +18,7 @@
   ``keep_last`` newest complete steps and the best one by ``best``; it never
   deletes the newest complete step or a step being written.
 - **It deletes only what it can prove it wrote**: each of its saves marks
-  the step directory (``.shardkit-checkpoint``, see ``checkpoint.ownership``)
+  the step directory (``.shardkit-checkpoint``, see ``checkpoint.format.ownership``)
   before any rank writes a data byte. A ``step-<n>`` directory without that mark, a writer lock or
   shardkit's committed ``metadata.json`` (a PyTorch DCP or Hugging Face
   checkpoint, a user's files) is never deleted, cleared or saved into

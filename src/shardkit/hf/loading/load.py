@@ -79,7 +79,7 @@ def load_checkpoint(
       theirs, with ``keys``) ahead of first use and asks for large page-cache
       folios, so touching them costs fewer faults and a cold file is read
       from disk while the caller starts on its first tensors
-      (``knobs.MAP_PREFETCH = False`` turns that off; see ``storage.read_ahead``);
+      (``knobs.MAP_PREFETCH = False`` turns that off; see ``storage.fast_io.map_prefetch``);
     - copy-on-write: writing to a loaded tensor copies that page privately;
       it never reaches the file;
     - one open file descriptor per mapped file, while any of its tensors

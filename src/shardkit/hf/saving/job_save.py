@@ -5,7 +5,7 @@ Every rank writes the whole tensors assigned to it (balanced by bytes,
 (``gather``), cast on the way out when ``dtype`` is given; rank 0 writes
 the configs and, last, the index, once every rank's files are complete.
 The steps are settled over the group as a distributed save's are
-(``checkpoint.agreement``): a failure on any rank (a busy directory, a full
+(``checkpoint.coordination.agreement``): a failure on any rank (a busy directory, a full
 disk) raises on every rank, none is left waiting, and the previous
 checkpoint is removed only once every rank is ready to write. Memory per
 rank: about three of the largest tensors it writes (one written, one handed

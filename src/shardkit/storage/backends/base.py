@@ -1,7 +1,7 @@
 """The storage interface: :class:`Storage` (a place that holds files) and :class:`Reader` (an open file).
 
-Backends implement it, one per file: ``storage.local`` (plain files) and
-``storage.fsspec_store`` (any fsspec URL: object stores, memory). Callers
+Backends implement it, one per file: ``storage.backends.local`` (plain files) and
+``storage.backends.fsspec_store`` (any fsspec URL: object stores, memory). Callers
 use only these methods and never test which backend they have;
 :func:`shardkit.storage.storage_for` picks one from a path.
 
@@ -29,7 +29,7 @@ class Reader:
     ``extra_reads_are_cheap`` says whether reading bytes nobody asked for costs
     little (local files, memory: True) or a download (object stores: False);
     verified reads use it to decide whether to fetch the rest of a checksum
-    block a read covers only in part (``storage.tensor_io.read_ranges``).
+    block a read covers only in part (``storage.safetensors_format.tensor_io.read_ranges``).
     """
 
     extra_reads_are_cheap = False
@@ -80,7 +80,7 @@ class Reader:
         """``nbytes`` of the file at ``offset`` as a writable, copy-on-write map, or None where this reader cannot map.
 
         Nothing is read now (pages come from the page cache when touched, or
-        earlier from the background read-ahead of ``storage.read_ahead``);
+        earlier from the background read-ahead of ``storage.fast_io.map_prefetch``);
         writes to the view stay private to this process and never reach the
         file. The view keeps its map alive (after :meth:`close` too). Only
         local files map; other readers return None and callers read instead.
@@ -343,7 +343,7 @@ class Storage:
         whose message names the first (pid, host, since when, ``holder``);
         it never waits. Slots are independent (a distributed save takes one
         per rank; slot 0 is the directory's main writer, also taken by HF
-        saves). Local files: an ``flock``'d hidden file (see ``storage.lock``;
+        saves). Local files: an ``flock``'d hidden file (see ``storage.backends.lock``;
         :func:`~shardkit.storage.is_lock_name` names it) that the kernel
         releases when its holder dies.
 

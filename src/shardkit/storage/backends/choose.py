@@ -1,11 +1,11 @@
 """Where bytes live: :func:`storage_for` picks the backend for a path.
 
 Plain paths (and ``file:`` URLs, read per RFC 8089 by :func:`file_url_path`)
-go to :class:`LocalStorage` (``storage.local``), which uses ``os`` calls
+go to :class:`LocalStorage` (``storage.backends.local``), which uses ``os`` calls
 directly (positional reads, fsync, atomic rename); anything with another
 scheme (``s3://``, ``memory://``, ...) goes to :class:`FsspecStorage`
-(``storage.fsspec_store``). The interface is in
-``storage.base``. Backends move bytes only; they know nothing of tensors or
+(``storage.backends.fsspec_store``). The interface is in
+``storage.backends.base``. Backends move bytes only; they know nothing of tensors or
 checkpoints.
 
 Example::

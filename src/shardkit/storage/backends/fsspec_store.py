@@ -24,7 +24,7 @@ into the caller's buffers.
 Failures of the store's client (botocore, aiohttp, s3fs's own ``OSError``: an
 unreachable endpoint, a refused permission, a broken transfer) are raised as
 :class:`~shardkit.errors.CheckpointIOError` naming the URL and the operation
-(``storage.store_errors``); a missing object stays a ``FileNotFoundError`` /
+(``storage.backends.store_errors``); a missing object stays a ``FileNotFoundError`` /
 :class:`~shardkit.errors.MissingShardError`.
 
 Configuration (endpoint, credentials) is fsspec's own: ``fsspec.config.conf``
@@ -240,7 +240,7 @@ class FsspecStorage(Storage):
 
     def open_sink(self, f, durable: bool = True, checksum: bool = False, size_bytes: int | None = None,
                   inline: bool = False):
-        """S3: the writer's pieces go out as upload parts without a copy (``storage.s3_upload``);
+        """S3: the writer's pieces go out as upload parts without a copy (``storage.backends.s3_upload``);
         other stores: sequential writes (``Storage.open_sink``)."""
         if isinstance(f, S3MultipartWriter):
             f.expect_bytes(size_bytes)

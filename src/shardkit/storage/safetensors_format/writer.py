@@ -2,7 +2,7 @@
 
 The tensors' own memory goes to the file, no serialised copy of the state.
 On local storage a durable file is written with ``O_DIRECT`` through aligned
-bounce buffers (``storage.direct_io``), a few large writes in flight; where
+bounce buffers (``storage.fast_io.direct_io``), a few large writes in flight; where
 the file system refuses that, or for ``durable=False``, ``knobs.WRITE_THREADS``
 threads write positionally into the page cache, each chunk's writeback
 started as soon as it is written; other stores get one sequential stream.
@@ -105,7 +105,7 @@ def write_safetensors(
 
 def _write_in_one_pass(path: str, sink, header: bytes, order: list[tuple[str, TensorLike]],
                        checksum: bool) -> FileRecord | None:
-    """Hand a sink that copies and hashes by itself (``storage.direct_io``) the whole file in as few
+    """Hand a sink that copies and hashes by itself (``storage.fast_io.direct_io``) the whole file in as few
     calls as there are lazy tensors plus one: each run of ready tensors is one ``write_many`` (one C
     call, the GIL released throughout); a lazy or strided tensor is made ready alone, then written."""
     try:
