@@ -1,7 +1,14 @@
 """Bytes and files: atomic publish, safetensors headers and ranges, checksums.
 
 This layer knows files and bytes only. It never decides which tensor bytes
-a rank needs; ``shardkit.checkpoint`` plans that and calls in here.
+a rank needs; ``shardkit.checkpoint`` plans that and calls in here. By job:
+``backends/`` (where bytes live: the ``Storage`` / ``Reader`` interface, local
+files, fsspec stores, ``storage_for``), ``fast_io/`` (memory and I/O
+mechanics: cache-bypassing copies, prefaulting, ``O_DIRECT``, mapped-page
+prefetch, the I/O thread pool), ``safetensors_format/`` (the file format:
+header, writer, verified reads); here: block checksums, untrusted JSON and
+plain values. The names below are the package's public surface, each from
+the module that defines it.
 """
 
 from shardkit.lazy_names import lazy_names
