@@ -140,7 +140,8 @@ def test_private_modules_are_used_inside_their_package_only():
         for target, _, line in _walk(module):
             parts = target.split(".")
             private_at = next((i for i, p in enumerate(parts) if _private(p)), None)
-            if private_at is not None and not module.startswith(".".join(parts[:private_at]) + "."):
+            package = ".".join(parts[:private_at])
+            if private_at is not None and module != package and not module.startswith(package + "."):
                 found.append(f"{MODULES[module][0].relative_to(SRC)}:{line} imports {target}")
     assert not found, "\n".join(found)
 
