@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m benchmarks $(ARGS)
+	$(VENV)/bin/shardkit bench $(ARGS)
 
 # The API reference, from the docstrings (pdoc): docs/api/index.html. A broken docstring fails the build.
 docs: $(STAMP)

@@ -2,7 +2,7 @@
 
 ``leaves({"m": {"w": t}, "opt": [1, 2]})`` is ``{"m.w": t, "opt.0": 1, "opt.1": 2}``
 (the naming rule of ``docs/format.md``), so tests can compare a loaded state
-with the saved one leaf by leaf without trusting ``shardkit.checkpoint.nested``.
+with the saved one leaf by leaf without trusting ``shardkit.checkpoint.format.nested``.
 """
 
 

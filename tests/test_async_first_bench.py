@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardkit.bench.async_first import IMPLS, PREPARED, first_call_blocked
+from shardkit.bench.checkpoint_suites.async_first import IMPLS, PREPARED, first_call_blocked
 from shardkit.checkpoint import load_distributed, validate_distributed
 from shardkit.bench.workload import make_state
 

@@ -189,7 +189,7 @@ def test_validate_summarises_a_long_problem_list(tmp_path, monkeypatch):
     # validate_distributed itself condenses a run of missing files; the CLI must still
     # summarise any long list it is given, so feed it one of 5,001 distinct problems.
     import shardkit.checkpoint
-    from shardkit.checkpoint.validate import ValidationReport
+    from shardkit.checkpoint.loading.validate import ValidationReport
 
     d = _many_ranks(tmp_path / "r5k")
     problems = [f"rank_{r}.safetensors is damaged (problem {r})" for r in range(5001)]

@@ -45,7 +45,7 @@ def test_cli_reports_errors_without_traceback(tmp_path, capsys):
 
 
 def test_benchmark_harness_smoke(tmp_path):
-    from benchmarks.__main__ import main as bench_main
+    from shardkit.bench.runner import main as bench_main
 
     out = tmp_path / "rows.json"
     assert bench_main(["--size", "1MiB", "--reps", "1", "--only", "save,load", "--json", str(out)]) == 0

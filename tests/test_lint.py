@@ -12,6 +12,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_no_undefined_names_unused_imports_or_unused_variables():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache", "--output-format",
-                           "concise", "src", "tests", "examples", "benchmarks"],
+                           "concise", "src", "tests", "examples"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"ruff found problems (fix them, or `ruff check --select F --fix`):\n{done.stdout}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardkit.bench.metadata_scale_bench import format_table, run_metadata_scale_benchmarks
+from shardkit.bench.checkpoint_suites.metadata_scale_bench import format_table, run_metadata_scale_benchmarks
 from shardkit.bench.runner import SUITES
 
 

@@ -15,14 +15,14 @@
  * hashing them in the same pass (Xxh3.copy_update: the "source" block
  * digests); hand the buffer to one of `depth` POSIX threads, which pwrite
  * it (O_DIRECT; on EINVAL it clears O_DIRECT for the fd and writes the same
- * bytes again buffered, starting writeback, as storage.direct_io did); once
+ * bytes again buffered, starting writeback, as storage.fast_io.direct_io did); once
  * written, and before the buffer is reused, hash the buffer's bytes (the
  * "written" digests). The caller compares the two: memory changed between
  * the copy and the write fails the save. Digests are per block of
  * block_bytes at file offsets (block_bytes 0: no hashing).
  *
  * What it does not do: open, truncate, fsync or rename the file, or own the
- * buffers (storage.direct_io passes its pool's; they must outlive the
+ * buffers (storage.fast_io.direct_io passes its pool's; they must outlive the
  * writer). With `pwrite` given (os.pwrite replaced by a tracer or a fault
  * injector), the threads call it with the GIL for each write instead of the
  * system call, and its OSError is raised from write()/finish() as it was.

@@ -120,7 +120,7 @@ class CheckpointIOError(CheckpointError, OSError):
     """Saving hit the disk's or the system's limits: disk full or quota (``ENOSPC``,
     ``EDQUOT``), a read-only file system (``EROFS``), no permission (``EACCES``, ``EPERM``);
     or an object store's client failed a save or a load: unreachable endpoint, access
-    denied, a broken transfer (``storage.store_errors``; the client's exception is the
+    denied, a broken transfer (``storage.backends.store_errors``; the client's exception is the
     ``__cause__``, ``errno`` is the underlying one where there is one, e.g. ``ECONNREFUSED``).
 
     An ``OSError`` too, with ``errno``, ``strerror`` and ``filename`` of the

@@ -89,7 +89,7 @@ HF_MMAP_LOADS: bool = True
 #: get their pages mapped ahead of first use by one background thread
 #: (``madvise(MADV_POPULATE_READ)``, in chunks of ``MAP_PREFETCH_CHUNK_BYTES``),
 #: and the map asks for large page-cache folios (``MADV_HUGEPAGE``); see
-#: ``shardkit.storage.read_ahead``. False leaves every page to the first touch.
+#: ``shardkit.storage.fast_io.map_prefetch``. False leaves every page to the first touch.
 MAP_PREFETCH: bool = True
 MAP_PREFETCH_CHUNK_BYTES: int = 32 * 1024 * 1024
 
@@ -98,18 +98,18 @@ IO_THREADS: int = 4
 
 #: Staging copies (``AsyncCheckpointer``) of at least this many bytes use
 #: non-temporal stores when the ``shardkit._stream_copy`` extension is built
-#: (see ``shardkit.storage.memcopy``); ``STREAM_COPY = False`` turns that off.
+#: (see ``shardkit.storage.fast_io.memcopy``); ``STREAM_COPY = False`` turns that off.
 STREAM_COPY: bool = True
 STREAM_COPY_MIN_BYTES: int = 1024 * 1024
 
 #: Staging into new buffers (a first ``save_async``) faults their pages in
 #: with ``madvise(MADV_POPULATE_WRITE)`` on a helper job running ahead of the
-#: copies (see ``shardkit.storage.prefault``); False leaves the faults to the copies.
+#: copies (see ``shardkit.storage.fast_io.prefault``); False leaves the faults to the copies.
 STAGING_PREFAULT: bool = True
 
 #: A load's outputs allocated by the load (not ``out=``, not mapped) are faulted in with
 #: ``madvise(MADV_POPULATE_WRITE)`` on the I/O threads before the reads fill
-#: them (``checkpoint.execute``); False leaves the faults to the copies.
+#: them (``checkpoint.loading.execute``); False leaves the faults to the copies.
 LOAD_PREFAULT: bool = True
 
 #: Only outputs of at least this many bytes. Smaller ones are mostly heap
@@ -122,7 +122,7 @@ LOAD_PREFAULT: bool = True
 LOAD_PREFAULT_MIN_BYTES: int = 1024 * 1024
 
 #: Local reads of at least this many bytes copy from a read-only map of the
-#: file (non-temporal copies; see ``storage.local._LocalReader``) instead of
+#: file (non-temporal copies; see ``storage.backends.local._LocalReader``) instead of
 #: ``preadv``. ``MMAP_READS = False`` reads everything with ``preadv``.
 MMAP_READS: bool = True
 MMAP_READ_MIN_BYTES: int = 1024 * 1024
@@ -138,7 +138,7 @@ SMALL_FILE_BYTES: int = 4 * 1024 * 1024
 WRITE_THREADS: int = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 #: Durable local saves write with ``O_DIRECT`` through aligned bounce buffers
-#: (``storage.direct_io``), skipping the page cache; ``DIRECT_IO = False``
+#: (``storage.fast_io.direct_io``), skipping the page cache; ``DIRECT_IO = False``
 #: writes through the page cache with early writeback instead. Blocks of
 #: ``DIRECT_IO_BLOCK_BYTES``, ``DIRECT_IO_QUEUE_DEPTH`` of them in flight
 #: (measured on the 2-core VM: 16 MiB x 4 wrote 2 GiB in 1.1 s; 8 MiB x 1-4 in 1.3-1.7 s).
@@ -166,7 +166,7 @@ HASH_SLICE_BYTES: int = 4 * 1024 * 1024
 #: stride: 1.15-1.32x; each 4 MiB slice in a second call: 1.38x). A load that
 #: maps (``MAP_LOADS``) hashes the whole blocks its maps lie in, from the
 #: mapped pages, on the I/O threads, before it returns
-#: (``storage.tensor_io.map_verified``). From object stores, a block a rank
+#: (``storage.safetensors_format.tensor_io.map_verified``). From object stores, a block a rank
 #: needs only part of is downloaded whole to be hashed while the load's
 #: ``VERIFY_EXTRA_READ_FRACTION`` allowance lasts, else read unverified;
 #: ``validate_distributed`` always re-hashes every byte.
@@ -268,7 +268,7 @@ DCP_OPEN_FILES: int = 64
 #: (ISA-L's, from the ``isal`` package: about 10 GiB/s on the 2-core benchmark VM).
 DCP_VERIFY_CRC: bool = True
 
-# --- object stores (shardkit.storage.fsspec_store) ---------------------------
+# --- object stores (shardkit.storage.backends.fsspec_store) ---------------------------
 
 #: Part size of the multipart uploads shardkit makes to S3 (S3 wants 5 MiB to
 #: 5 GiB per part, at most 10,000 parts); a file smaller than one part is a

@@ -21,14 +21,16 @@ __all__ = ["lazy_names"]
 def lazy_names(package: str, namespace: dict, homes: dict[str, list[str]]
                ) -> tuple[Callable[[str], object], Callable[[], list[str]], list[str]]:
     """``(__getattr__, __dir__, __all__)`` for ``package``, whose names live in ``homes``
-    (``{submodule: [names]}``); a name once loaded is cached in ``namespace``."""
+    (``{submodule: [names]}``; a submodule spelled ``shardkit.…`` is a module elsewhere in shardkit, for a
+name the package shows but does not own); a name once loaded is cached in ``namespace``."""
     home_of = {name: module for module, names in homes.items() for name in names}
 
     def getattr_(name: str):
         module = home_of.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        home = module if module.startswith("shardkit.") else f"{package}.{module}"
+        value = getattr(importlib.import_module(home), name)
         namespace[name] = value  # later lookups skip this function
         return value
 

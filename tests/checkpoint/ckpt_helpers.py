@@ -54,8 +54,8 @@ def save_v1(state_dict, directory, rank: int, world_size: int, shard_spec, *, me
 
     import xxhash
 
-    from shardkit.checkpoint.nested import flatten
-    from shardkit.checkpoint.spec import as_spec_dict
+    from shardkit.checkpoint.format.nested import flatten
+    from shardkit.checkpoint.format.spec import as_spec_dict
     from shardkit.dtypes import to_safetensors_name
     from shardkit.storage import storage_for, write_safetensors
     from shardkit.storage.plain_values import encode_objects

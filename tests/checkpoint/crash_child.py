@@ -91,8 +91,8 @@ class _CountingFile:
 
 def install_kill_hooks(kill: dict) -> None:
     """Make this process SIGKILL itself at ``kill`` (see the module docstring)."""
-    import shardkit.storage.atomic as atomic
-    import shardkit.storage.local as local_backend
+    import shardkit.storage.backends.atomic as atomic
+    import shardkit.storage.backends.local as local_backend
 
     real_writer, real_replace = atomic.atomic_local_writer, os.replace
     real_write, real_pwrite = os.write, os.pwrite

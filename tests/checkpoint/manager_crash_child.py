@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-import shardkit.checkpoint.chunked_save as chunked_save
+import shardkit.checkpoint.saving.chunked_save as chunked_save
 from shardkit.checkpoint import CheckpointManager
 
 root, async_mode = sys.argv[1], sys.argv[2] == "async"

@@ -12,14 +12,14 @@ from safetensors.torch import save_file
 import shardkit.checkpoint as ckpt
 from ckpt_helpers import save_v1
 from shardkit.checkpoint import ShardMetadata, TensorShardSpec, load_consolidated
-from shardkit.checkpoint.chunk_plan import plan_chunks
+from shardkit.checkpoint.planning.chunk_plan import plan_chunks
 from shardkit.errors import MetadataError, TensorMismatchError
 
 W = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
 
 
 def test_save_is_the_function():
-    import shardkit.checkpoint.distributed_save as distributed_save
+    import shardkit.checkpoint.saving.distributed_save as distributed_save
 
     assert callable(ckpt.save) and ckpt.save.__module__ == "shardkit.checkpoint.api"
     assert distributed_save.save_distributed is ckpt.save_distributed

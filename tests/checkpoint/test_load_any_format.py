@@ -272,7 +272,7 @@ def test_non_contiguous_and_overlapping_targets_are_staged(tmp_path):
 
 
 def test_a_cast_into_cpu_tensors_stages_at_most_cpu_stage_bytes_at_once(monkeypatch):
-    from shardkit.checkpoint import fill as fill_module
+    import shardkit.checkpoint.loading.fill as fill_module
 
     monkeypatch.setattr(fill_module, "CPU_STAGE_BYTES", 64)       # 32 bf16 elements
     saved = {f"t{i}": torch.full((16,), float(i), dtype=torch.bfloat16) for i in range(5)}
@@ -289,7 +289,7 @@ def test_a_cast_into_cpu_tensors_stages_at_most_cpu_stage_bytes_at_once(monkeypa
 
 
 def test_with_read_rows_a_cast_goes_slab_by_slab_through_one_scratch(monkeypatch):
-    from shardkit.checkpoint import fill as fill_module
+    import shardkit.checkpoint.loading.fill as fill_module
 
     monkeypatch.setattr(fill_module, "SLAB_BYTES", 3 * 8 * 2)      # three bf16 rows of 8
     saved = {"a": torch.randn(7, 8).to(torch.bfloat16), "s": torch.tensor(2.5, dtype=torch.bfloat16)}

@@ -89,7 +89,7 @@ def test_reshard_of_a_corrupt_checkpoint_publishes_nothing(ckpt, tmp_path):
 
 KILL_MIDWAY = """
 import os, signal, sys
-import shardkit.checkpoint.chunked_save as w   # the save engine the offline writers write through
+import shardkit.checkpoint.saving.chunked_save as w   # the save engine the offline writers write through
 real = w.write_safetensors
 calls = []
 def dying(*a, **k):

@@ -11,7 +11,7 @@ from cli_helpers import save_sharded, training_state
 from shardkit import knobs
 from shardkit.checkpoint import load_consolidated, validate_distributed
 from shardkit.offline import reshard_checkpoint
-from shardkit.offline.readahead import ReadAhead
+from shardkit.offline.write_overlap import ReadAhead
 from shardkit.sources import DcpCheckpoint, open_source
 
 

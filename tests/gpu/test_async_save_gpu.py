@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardkit.checkpoint import load_distributed
-from shardkit.checkpoint.async_save import AsyncCheckpointer
+from shardkit.checkpoint.background.checkpointer import AsyncCheckpointer
 
 pytestmark = pytest.mark.gpu
 

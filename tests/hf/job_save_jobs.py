@@ -70,7 +70,7 @@ def save_mixed(rank, world_size, out_dir, max_shard_size, safetensors):
 
 def save_failing_on_rank_1(rank, world_size, out_dir):
     """Rank 1's disk is full: every rank must raise (none left waiting) and no index may appear."""
-    import shardkit.hf.export_write as writer
+    import shardkit.hf.saving.export_write as writer
 
     if rank == 1:
         def full_disk(*args, **kwargs):

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit.errors import TensorMismatchError
-from shardkit.hf.export_plan import assign_writers, plan_export, select_model_names
-from shardkit.hf.gather import box_senders, rounds_of
+from shardkit.hf.saving.export_plan import assign_writers, plan_export, select_model_names
+from shardkit.hf.saving.gather import box_senders, rounds_of
 from shardkit.hf.index import plan_shards
 from shardkit.layout import Box
 

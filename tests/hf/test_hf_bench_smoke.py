@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("huggingface_hub")
 
-from shardkit.bench import hf_bench  # noqa: E402
+import shardkit.bench.hf_suites.hf_bench as hf_bench  # noqa: E402
 
 
 def test_hf_bench_runs_and_every_case_has_a_shardkit_row(tmp_path, monkeypatch):

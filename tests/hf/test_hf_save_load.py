@@ -219,7 +219,7 @@ def test_bad_arguments_are_typed_errors(tmp_path):
 
 @pytest.mark.parametrize("safetensors", [True, False])
 def test_sync_files_false_skips_every_fsync_and_still_publishes_atomically(tmp_path, monkeypatch, safetensors):
-    import shardkit.storage.atomic as atomic
+    import shardkit.storage.backends.atomic as atomic
 
     synced = []
     monkeypatch.setattr(atomic.os, "fsync", lambda fd: synced.append(fd))

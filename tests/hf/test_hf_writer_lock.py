@@ -28,7 +28,7 @@ def _state(value: float) -> dict:
 
 
 def _hf_save_held_mid_write(directory, value, started, release) -> None:
-    import shardkit.hf.export_write as hf_writer  # the one HF writer save_checkpoint goes through
+    import shardkit.hf.saving.export_write as hf_writer  # the one HF writer save_checkpoint goes through
 
     hold_writes(hf_writer, started, release, HANG_GUARD_S)
     save_checkpoint(directory, _state(value), safetensors=True, max_shard_size=256)

@@ -50,9 +50,9 @@ def state(model, optim, step=0):
 
 def local_values(sd) -> dict:
     """Every tensor leaf's local tensor (a copy), by dotted name."""
-    from shardkit.checkpoint.load_into import _leaves
+    from shardkit.checkpoint.loading.load_into import state_leaves
 
-    tensors, _ = _leaves(sd)
+    tensors, _ = state_leaves(sd)
     return {n: (t.to_local() if isinstance(t, DTensor) else t).detach().clone() for n, t in tensors.items()}
 
 

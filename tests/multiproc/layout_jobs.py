@@ -11,10 +11,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import shardkit.checkpoint as ckpt
-from shardkit.checkpoint.chunk_plan import plan_chunks
-from shardkit.checkpoint.compact_layout import describe, own_boxes_agree
-from shardkit.checkpoint.dtensor_layout import local_box
-from shardkit.checkpoint.group import EXCHANGE_OBSERVERS
+from shardkit.checkpoint.planning.chunk_plan import plan_chunks
+from shardkit.checkpoint.planning.compact_layout import describe, own_boxes_agree
+from shardkit.checkpoint.planning.dtensor_layout import local_box
+from shardkit.checkpoint.coordination.group import EXCHANGE_OBSERVERS
 
 
 def random_state(seed: int, meshes) -> dict:

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import fully_shard
 
 import shardkit.checkpoint as ckpt
 from byte_counting import counting_reads
-from shardkit.checkpoint.load_into import state_leaves
+from shardkit.checkpoint.loading.load_into import state_leaves
 from dtensor_jobs import local_values, parallel, state, train_step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

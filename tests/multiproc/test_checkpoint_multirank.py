@@ -29,7 +29,7 @@ from shardkit.checkpoint import (
     save_distributed,
     validate_distributed,
 )
-from shardkit.checkpoint.async_save import AsyncCheckpointer
+from shardkit.checkpoint.background.checkpointer import AsyncCheckpointer
 from shardkit.errors import AsyncCheckpointError
 
 pytestmark = pytest.mark.multiproc

@@ -4,7 +4,7 @@ Each run starts two real ranks as their own interpreters (torchrun's
 variables), so the interpreter's exit is the one under test. Left to the
 interpreter's teardown, a Gloo group from ``new_group`` aborted such jobs
 with ``terminate called without an active exception`` in about a third of
-runs; ``shardkit.checkpoint.shutdown`` tears the groups down first.
+runs; ``shardkit.checkpoint.background.shutdown`` tears the groups down first.
 """
 
 from __future__ import annotations

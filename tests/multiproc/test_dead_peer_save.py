@@ -55,8 +55,8 @@ def _save_then_die(rank: int, world_size: int, first_dir: str, second_dir: str, 
 
 
 @pytest.mark.parametrize("die_in, step, same_dir", [
-    ("distributed_save._prepare", "preparing and locking the save", True),   # before anything is withdrawn
-    ("chunked_save._write_file", "writing the data files", False),           # after the old commit was withdrawn
+    ("saving.distributed_save._prepare", "preparing and locking the save", True),   # before anything is withdrawn
+    ("saving.chunked_save._write_file", "writing the data files", False),    # after the old commit was withdrawn
 ])
 def test_survivors_of_a_dead_peer_raise_comm_error_and_the_previous_checkpoint_loads(tmp_path, die_in, step,
                                                                                        same_dir):

@@ -1,7 +1,7 @@
 """The load-any benchmark suite (issue 30's rows) runs end to end at a smoke size: both cases, a shardkit row
 each, the loaded bytes equal between implementations (no time asserted)."""
 
-from shardkit.bench.load_any_bench import run_load_any_benchmarks
+from shardkit.bench.checkpoint_suites.load_any_bench import run_load_any_benchmarks
 
 
 def test_load_any_bench_runs_and_both_implementations_load_the_same_bytes(tmp_path):

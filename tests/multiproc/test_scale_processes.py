@@ -6,9 +6,9 @@ not depend on how ranks run. No timing is asserted.
 
 from __future__ import annotations
 
-from shardkit.bench.scale_bench import format_scale_table, measure, measure_as
-from shardkit.bench.scale_processes import measure_processes
-from shardkit.checkpoint.chunked_save import ROUND_SLOTS
+from shardkit.bench.checkpoint_suites.scale_bench import format_scale_table, measure, measure_as
+from shardkit.bench.checkpoint_suites.scale_processes import measure_processes
+from shardkit.checkpoint.saving.chunked_save import ROUND_SLOTS
 
 #: Each round of a save is a gather to rank 0 and a broadcast of its verdict.
 COLLECTIVES_PER_SAVE = 2 * len(ROUND_SLOTS)
@@ -32,7 +32,7 @@ def test_a_table_of_process_rows_fits_an_exponent(tmp_path):
 
 
 def test_the_control_compares_one_job_with_many_jobs_at_once(tmp_path):
-    from shardkit.bench.scale_processes import per_rank_cpu_one_job_vs_many
+    from shardkit.bench.checkpoint_suites.scale_processes import per_rank_cpu_one_job_vs_many
 
     row = per_rank_cpu_one_job_vs_many(2, 2, 2, str(tmp_path))
     assert row["processes"] == 4

@@ -24,7 +24,7 @@ import torch
 
 
 def _die_at(at: str) -> None:
-    from shardkit.storage import s3_upload
+    import shardkit.storage.backends.s3_upload as s3_upload
 
     writer = s3_upload.S3MultipartWriter
     real_upload, real_commit = writer._upload_part, writer.commit

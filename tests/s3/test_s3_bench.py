@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(weed_binary() is None,
 def test_s3_suite_runs_end_to_end_and_yields_its_rows(tmp_path):
     pytest.importorskip("s3fs", reason="s3fs is in requirements-dev.txt; `make test` installs it")
     from shardkit.bench.runner import main
-    from shardkit.bench.s3_bench import DCP, RAW_ONE, RAW_PARALLEL, SHARDKIT
+    from shardkit.bench.checkpoint_suites.s3_bench import DCP, RAW_ONE, RAW_PARALLEL, SHARDKIT
 
     endpoint_before = os.environ.get("AWS_ENDPOINT_URL")
     out = tmp_path / "rows.json"

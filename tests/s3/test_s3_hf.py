@@ -8,13 +8,9 @@ checkpoint downloaded from it, and the directory functions
 
 from __future__ import annotations
 
-import sys
-import os
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "hf"))
-from hf_helpers import assert_same_state, tiny_llama  # noqa: E402
+from hf_helpers import assert_same_state, tiny_llama
 
 from shardkit.hf import (  # noqa: E402
     distributed_to_hf,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shardkit.checkpoint import CheckpointManager, validate_distributed
-from shardkit.checkpoint.ownership import OWNER_FILE
+from shardkit.checkpoint.format.ownership import OWNER_FILE
 from shardkit.storage import temp_name
 
 

@@ -105,7 +105,7 @@ def test_an_upload_to_an_unreachable_endpoint_raises_checkpoint_io_error(dead_en
 
 def test_a_ranged_read_from_an_unreachable_endpoint_raises_checkpoint_io_error(dead_endpoint):
     # A reader opened while the store answered, then the store went away: its reads fail typed.
-    from shardkit.storage.fsspec_store import S3RangeReader
+    from shardkit.storage.backends.fsspec_store import S3RangeReader
 
     store, path = storage_for(URL + "/rank_0.safetensors")
     reader = S3RangeReader(path, store.fs, store.fs._strip_protocol(path), 1000)

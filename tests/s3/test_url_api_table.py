@@ -17,7 +17,7 @@ import torch
 
 import shardkit.checkpoint as ckpt
 import shardkit.hf as hf
-from shardkit.checkpoint.ownership import OWNER_FILE
+from shardkit.checkpoint.format.ownership import OWNER_FILE
 from shardkit.cli import main as cli
 from shardkit.errors import CheckpointError
 from shardkit.storage import storage_for, temp_name

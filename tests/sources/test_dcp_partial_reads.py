@@ -65,7 +65,7 @@ def test_a_part_read_is_not_verified_a_whole_read_and_a_column_read_are(tmp_path
 
 def test_a_cast_load_of_a_dcp_reads_whole_chunks_and_still_verifies_them(tmp_path, monkeypatch):
     import shardkit.checkpoint as ckpt
-    from shardkit.checkpoint import fill as fill_module
+    import shardkit.checkpoint.loading.fill as fill_module
 
     monkeypatch.setattr(fill_module, "SLAB_BYTES", 256)           # slabs would split the chunk, unverified
     w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""storage.destinations: which destination tensors share memory, so that no two parallel reads race on one byte."""
+"""storage.fast_io.destinations: which destination tensors share memory, so that no two parallel reads race on one byte."""
 
 import itertools
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit.errors import TensorMismatchError
-from shardkit.storage.destinations import check_disjoint, memory_identity, shared_destinations
+from shardkit.storage.fast_io.destinations import check_disjoint, memory_identity, shared_destinations
 
 
 def test_the_same_view_is_read_once_from_its_first_name():

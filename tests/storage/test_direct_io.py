@@ -1,4 +1,4 @@
-"""storage.direct_io: O_DIRECT writes through bounce buffers give the same bytes, or fall back.
+"""storage.fast_io.direct_io: O_DIRECT writes through bounce buffers give the same bytes, or fall back.
 
 Small blocks (two pages) and a queue of two make every boundary case cheap:
 pieces that straddle blocks, an exact multiple of the block, an empty file,
@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from shardkit import knobs
 from shardkit.storage import LocalStorage, write_safetensors
-from shardkit.storage import direct_io
-from shardkit.storage.direct_io import ALIGN_BYTES, open_direct_sink
+import shardkit.storage.fast_io.direct_io as direct_io
+from shardkit.storage.fast_io.direct_io import ALIGN_BYTES, open_direct_sink
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
 

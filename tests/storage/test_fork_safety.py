@@ -25,8 +25,8 @@ import torch
 from shardkit import knobs
 from shardkit.checkpoint import ShardMetadata, TensorShardSpec, load_distributed, save_distributed, validate_distributed
 from shardkit.errors import ChecksumError
-from shardkit.storage import direct_io
-from shardkit.storage.direct_io import ALIGN_BYTES
+import shardkit.storage.fast_io.direct_io as direct_io
+from shardkit.storage.fast_io.direct_io import ALIGN_BYTES
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(os, "O_DIRECT"),
                                 reason="needs fork and O_DIRECT (Linux)")

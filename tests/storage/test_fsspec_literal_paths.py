@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardkit.checkpoint import CheckpointManager, load, save, validate_distributed
-from shardkit.checkpoint.ownership import OWNER_FILE
+from shardkit.checkpoint.format.ownership import OWNER_FILE
 from shardkit.storage import storage_for
 
 NAMES = ["lr?1", "lr[1]", "exp*", "a[!b]c"]

@@ -26,7 +26,7 @@ from shardkit import knobs
 from shardkit.checkpoint import load_distributed
 from shardkit.checkpoint.api import async_save
 from shardkit.storage import BlockHasher
-from shardkit.storage.direct_io import ALIGN_BYTES, DirectSink, open_direct_sink
+from shardkit.storage.fast_io.direct_io import ALIGN_BYTES, DirectSink, open_direct_sink
 
 resource = pytest.importorskip("resource")
 

@@ -22,7 +22,8 @@ import torch
 from shardkit import hf
 from shardkit.checkpoint import AsyncCheckpointer, load_distributed, save_distributed, validate_distributed
 from shardkit.errors import AsyncCheckpointError, CheckpointError, CheckpointIOError
-from shardkit.storage import LocalStorage, atomic, write_safetensors
+from shardkit.storage import LocalStorage, write_safetensors
+import shardkit.storage.backends.atomic as atomic
 
 FAILURES = {
     errno.ENOSPC: "disk is full",

@@ -94,8 +94,8 @@ def test_a_reader_dropped_without_close_gives_its_descriptor_back(tmp_path, mapp
 
 
 def test_new_directories_are_synced_into_their_parents(tmp_path, monkeypatch):
-    from shardkit.storage import atomic
-    from shardkit.storage.lock import local_writer_lock
+    import shardkit.storage.backends.atomic as atomic
+    from shardkit.storage.backends.lock import local_writer_lock
 
     synced = []
     monkeypatch.setattr(atomic, "fsync_dir", lambda path: synced.append(os.path.relpath(path, tmp_path)))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit import knobs
-from shardkit.storage import memcopy
+import shardkit.storage.fast_io.memcopy as memcopy
 
 
 @pytest.fixture(params=["stream", "stream-sse2", "memmove"])

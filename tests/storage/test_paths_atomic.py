@@ -60,7 +60,7 @@ def test_atomic_writer_retries_short_writes_so_torch_save_files_are_whole(tmp_pa
 
     import torch
 
-    from shardkit.storage import atomic
+    import shardkit.storage.backends.atomic as atomic
 
     monkeypatch.setattr(atomic, "open", lambda *a, **k: _ShortWrites(builtins.open(*a, **k), 4096), raising=False)
     tensors = {"w": torch.arange(100_000, dtype=torch.float32).reshape(1000, 100), "s": torch.tensor(7)}

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from shardkit.storage import prefault
-from shardkit.storage.prefault import PAGE_BYTES, populate_for_write
+import shardkit.storage.fast_io.prefault as prefault
+from shardkit.storage.fast_io.prefault import PAGE_BYTES, populate_for_write
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux")
 

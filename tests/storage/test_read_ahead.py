@@ -10,10 +10,11 @@ import torch
 
 from shardkit import knobs
 from shardkit.hf import load_checkpoint, save_checkpoint
-from shardkit.storage import LocalStorage, read_ahead
-from shardkit.storage.memcopy import buffer_address
-from shardkit.storage.prefault import MADV_POPULATE_READ, PAGE_BYTES
-from shardkit.storage.read_ahead import advise_huge_pages, prefetch_mapped, wait_for_prefetch
+from shardkit.storage import LocalStorage
+import shardkit.storage.fast_io.map_prefetch as read_ahead
+from shardkit.storage.fast_io.memcopy import buffer_address
+from shardkit.storage.fast_io.prefault import MADV_POPULATE_READ, PAGE_BYTES
+from shardkit.storage.fast_io.map_prefetch import advise_huge_pages, prefetch_mapped, wait_for_prefetch
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise populate is Linux")
 
@@ -110,7 +111,7 @@ def test_a_file_truncated_under_the_map_ends_the_prefetch_not_the_process(tmp_pa
     script = textwrap.dedent(f"""
         import os
         from shardkit.storage import LocalStorage
-        from shardkit.storage.read_ahead import prefetch_mapped, wait_for_prefetch
+        from shardkit.storage.fast_io.map_prefetch import prefetch_mapped, wait_for_prefetch
         mapping = LocalStorage().map_private({str(path)!r})
         os.truncate({str(path)!r}, {PAGE_BYTES})
         prefetch_mapped(mapping, [(0, len(mapping))])
@@ -132,7 +133,7 @@ def test_an_empty_or_unmappable_request_queues_nothing(tmp_path, recorded):
 
 
 def test_a_private_map_asks_for_large_folios_over_the_whole_file(tmp_path, recorded):
-    from shardkit.storage.prefault import MADV_HUGEPAGE
+    from shardkit.storage.fast_io.prefault import MADV_HUGEPAGE
 
     mapping = LocalStorage().map_private(str(_file(tmp_path, 8 * PAGE_BYTES)))
     assert recorded == [(buffer_address(mapping), 8 * PAGE_BYTES, MADV_HUGEPAGE)]

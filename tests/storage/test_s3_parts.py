@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from shardkit import knobs
-from shardkit.storage.s3_upload import _MIN_PART_BYTES, S3MultipartWriter, S3PartSink
+from shardkit.storage.backends.s3_upload import _MIN_PART_BYTES, S3MultipartWriter, S3PartSink
 
 MIB = 1024 * 1024
 
@@ -131,7 +131,7 @@ def test_file_writes_copy_so_the_caller_may_reuse_its_buffer(monkeypatch):
 
 def _tiny_parts(monkeypatch, part_bytes: int = 16, min_part_bytes: int = 8) -> None:
     """S3's part sizes scaled down to bytes, so thousands of parts take milliseconds."""
-    from shardkit.storage import s3_upload
+    import shardkit.storage.backends.s3_upload as s3_upload
 
     monkeypatch.setattr(s3_upload, "_MIN_PART_BYTES", min_part_bytes)
     monkeypatch.setattr(knobs, "OBJECT_PART_BYTES", part_bytes)

@@ -5,8 +5,10 @@ import torch
 
 from shardkit import knobs
 from shardkit.checkpoint import load_distributed, save_distributed, validate_distributed
-from shardkit.storage import LocalStorage, write_safetensors, writer
-from shardkit.storage.direct_io import DirectSink
+from shardkit.storage import LocalStorage, write_safetensors
+import shardkit.storage.fast_io.sinks as sinks
+import shardkit.storage.safetensors_format.writer as writer
+from shardkit.storage.fast_io.direct_io import DirectSink
 
 
 def _state():
@@ -20,7 +22,8 @@ def test_a_small_file_is_written_without_threads_and_equals_the_threaded_write(t
     monkeypatch.setattr(knobs, "SMALL_FILE_BYTES", 0)
     threaded = write_safetensors(LocalStorage(), str(tmp_path / "threaded.safetensors"), named, durable=durable)
     monkeypatch.setattr(knobs, "SMALL_FILE_BYTES", 1 << 20)
-    monkeypatch.setattr(writer, "ThreadPoolExecutor", lambda *a, **k: pytest.fail("a small file started a thread pool"))
+    for module in (writer, sinks):  # the writer's hashing pool, the local sink's write pool
+        monkeypatch.setattr(module, "ThreadPoolExecutor", lambda *a, **k: pytest.fail("a small file started a thread pool"))
     inline = write_safetensors(LocalStorage(), str(tmp_path / "inline.safetensors"), named, durable=durable)
     assert (tmp_path / "inline.safetensors").read_bytes() == (tmp_path / "threaded.safetensors").read_bytes()
     assert inline == threaded  # same size and block checksums
@@ -47,11 +50,12 @@ def test_a_distributed_save_of_small_tensors_round_trips_and_validates(tmp_path,
 
 
 def _write_pools(monkeypatch) -> list[str]:
-    """Record the thread_name_prefix of every pool the writer starts."""
+    """Record the thread_name_prefix of every pool the writer and its local sink start."""
     started: list[str] = []
     real = writer.ThreadPoolExecutor
-    monkeypatch.setattr(writer, "ThreadPoolExecutor",
-                        lambda *a, **k: started.append(k.get("thread_name_prefix", "")) or real(*a, **k))
+    for module in (writer, sinks):
+        monkeypatch.setattr(module, "ThreadPoolExecutor",
+                            lambda *a, **k: started.append(k.get("thread_name_prefix", "")) or real(*a, **k))
     return started
 
 

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from shardkit import knobs
 from shardkit.errors import ChecksumError
-from shardkit.storage import checksum, memcopy, new_block_hasher, read_header, read_ranges, storage_for, write_safetensors
-from shardkit.storage.memcopy import buffer_address
+from shardkit.storage import checksum, new_block_hasher, read_header, read_ranges, storage_for, write_safetensors
+import shardkit.storage.fast_io.memcopy as memcopy
+from shardkit.storage.fast_io.memcopy import buffer_address
 
 Xxh3 = checksum._Xxh3
 needs_extension = pytest.mark.skipif(Xxh3 is None, reason="shardkit._stream_copy was not built here")

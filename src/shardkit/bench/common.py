@@ -16,7 +16,7 @@ import time
 from typing import Callable
 
 from shardkit.storage.json_io import gc_paused
-from shardkit.storage.read_ahead import wait_for_prefetch
+from shardkit.storage.fast_io.map_prefetch import wait_for_prefetch
 
 
 #: Cases whose runs swing with the VM's page-fault speed far more than the
@@ -124,7 +124,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], reps: int,
     ran at that moment; the order reverses every other round, so no
     implementation always runs first or right after the same neighbour.
     ``setup(name)`` runs untimed before each run, after shardkit's background
-    read-ahead of the previous run (``storage.read_ahead``) has drained, so
+    read-ahead of the previous run (``storage.fast_io.map_prefetch``) has drained, so
     it never runs inside another implementation's timing. The garbage
     collector is off while a run is timed, so no run pays for another's garbage.
     """

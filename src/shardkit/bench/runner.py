@@ -18,7 +18,7 @@ from shardkit.errors import MetadataError
 from shardkit.sizes import size_bytes
 
 SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", "scale", "s3", "comm-gpu",
-          "load-any", "gil", "metadata-scale", "incremental")
+          "load-any", "gil", "metadata-scale", "incremental", "fsdp2", "hf-in-job")
 #: What runs without ``--only``: ``offline`` (the CLI tools against DCP, two extra source checkpoints and
 #: rank processes), ``scale`` (8/32/64 ranks as processes, then as threads, tiny tensors; ``--size`` does not apply) and ``s3``
 #: (a SeaweedFS server on loopback; needs the ``weed`` binary of requirements-dev.txt) and ``comm-gpu``
@@ -26,66 +26,76 @@ SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp", "offline", 
 #: and a DCP checkpoint against ``dcp.load``, 4 and 3 rank processes; ``load_any_bench``) and ``gil`` (a tiny
 #: Llama trained while background saves are in flight, against ``dcp.async_save``'s two modes; ``gil_bench``)
 #: and ``metadata-scale`` (metadata.json of 64..4096 ranks x 1000 FSDP2 tensors simulated in one process:
-#: rank 0's commit, the file's size, a loading rank's planning; ``metadata_scale_bench``) and ``incremental``
-#: (incremental saves against full ones, a 20-step chain's load; ``incremental_bench``) run only when asked for.
+#: rank 0's commit, the file's size, a loading rank's planning; ``metadata_scale_bench``), ``incremental``
+#: (incremental saves against full ones, a 20-step chain's load; ``incremental_bench``), ``fsdp2`` (an
+#: FSDP2 + Adam state saved on 4 rank processes and loaded on 3; ``dtensor_bench``) and ``hf-in-job`` (a
+#: Hugging Face export of a DTensor state from 4 ranks; ``hf_in_job_bench``) run only when asked for.
 DEFAULT_SUITES = ("save", "load", "async", "multirank", "comm", "hf", "ddp")
 
 
 #: The state size when ``--size`` is not given, per suite (the others: ``DEFAULT_SIZE``).
 DEFAULT_SIZE = "1GiB"
-SUITE_DEFAULT_SIZES = {"s3": "512MiB", "load-any": "512MiB", "gil": "300MiB"}
+SUITE_DEFAULT_SIZES = {"s3": "512MiB", "load-any": "512MiB", "gil": "300MiB", "hf-in-job": "512MiB"}
 
 
 def _run_suite(name: str, size: int, reps: int, workdir: str) -> list[dict]:
     if name in ("save", "load", "async"):
-        from shardkit.bench.checkpoint_bench import run_checkpoint_benchmarks
+        from shardkit.bench.checkpoint_suites.checkpoint_bench import run_checkpoint_benchmarks
 
         return run_checkpoint_benchmarks(size, reps, workdir, cases=(name,))
     if name == "multirank":
-        from shardkit.bench.multirank_bench import run_multirank_benchmarks
+        from shardkit.bench.checkpoint_suites.multirank_bench import run_multirank_benchmarks
 
         return run_multirank_benchmarks(size, reps, workdir)
     if name == "comm":
-        from shardkit.bench.comm_bench import run_comm_benchmarks
+        from shardkit.bench.comm_suites.comm_bench import run_comm_benchmarks
 
         return run_comm_benchmarks(reps=reps)
     if name == "offline":
-        from shardkit.bench.offline_bench import run_offline_benchmarks
+        from shardkit.bench.checkpoint_suites.offline_bench import run_offline_benchmarks
 
         return run_offline_benchmarks(size, reps, workdir)
     if name == "scale":
-        from shardkit.bench.scale_bench import run_scale_benchmarks
+        from shardkit.bench.checkpoint_suites.scale_bench import run_scale_benchmarks
 
         return run_scale_benchmarks(workdir)
     if name == "s3":
-        from shardkit.bench.s3_bench import run_s3_benchmarks
+        from shardkit.bench.checkpoint_suites.s3_bench import run_s3_benchmarks
 
         return run_s3_benchmarks(size, reps, workdir)
     if name == "comm-gpu":
-        from shardkit.bench.comm_gpu_bench import run_comm_gpu_benchmarks
+        from shardkit.bench.comm_suites.comm_gpu_bench import run_comm_gpu_benchmarks
 
         return run_comm_gpu_benchmarks(reps=reps)
     if name == "load-any":
-        from shardkit.bench.load_any_bench import run_load_any_benchmarks
+        from shardkit.bench.checkpoint_suites.load_any_bench import run_load_any_benchmarks
 
         return run_load_any_benchmarks(size, reps, workdir)
     if name == "gil":
-        from shardkit.bench.gil_bench import run_gil_benchmarks
+        from shardkit.bench.checkpoint_suites.gil_bench import run_gil_benchmarks
 
         return run_gil_benchmarks(size, reps, workdir)
     if name == "metadata-scale":
-        from shardkit.bench.metadata_scale_bench import run_metadata_scale_benchmarks
+        from shardkit.bench.checkpoint_suites.metadata_scale_bench import run_metadata_scale_benchmarks
 
         return run_metadata_scale_benchmarks(workdir, reps=reps)
     if name == "incremental":
-        from shardkit.bench.incremental_bench import run_incremental_benchmarks
+        from shardkit.bench.checkpoint_suites.incremental_bench import run_incremental_benchmarks
 
         return run_incremental_benchmarks(size, reps, workdir)
+    if name == "fsdp2":
+        from shardkit.bench.checkpoint_suites.dtensor_bench import run_dtensor_benchmarks
+
+        return run_dtensor_benchmarks(size, reps, workdir)
+    if name == "hf-in-job":
+        from shardkit.bench.hf_suites.hf_in_job_bench import run_hf_in_job_benchmarks
+
+        return run_hf_in_job_benchmarks(size, reps, workdir)
     if name == "ddp":
-        from shardkit.bench.ddp_bench import run_ddp_benchmarks
+        from shardkit.bench.comm_suites.ddp_bench import run_ddp_benchmarks
 
         return run_ddp_benchmarks(reps=reps)
-    from shardkit.bench.hf_bench import run_hf_benchmarks
+    from shardkit.bench.hf_suites.hf_bench import run_hf_benchmarks
 
     return run_hf_benchmarks(size, reps, workdir)
 
@@ -140,7 +150,7 @@ def run(args: argparse.Namespace, error=None) -> int:
         if error is None:
             raise ValueError(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)}")
         error(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)}")
-    from shardkit.storage.memcopy import copy_kind
+    from shardkit.storage.fast_io.memcopy import copy_kind
 
     context = {"size_bytes": size, "reps": args.reps, "machine": platform.platform(),
                "cpus": os.cpu_count(), "python": platform.python_version(), "staging_copy": copy_kind()}

@@ -18,16 +18,16 @@ Example::
     state = load_distributed("/ckpt/step-7", rank, 3)        # on 3 ranks
 """
 
-from shardkit.checkpoint.load import load_consolidated, load_distributed, load_region, read_metadata, reshard
-from shardkit.checkpoint.read_path import OpenCheckpoint, open_checkpoint
-from shardkit.checkpoint.distributed_save import save_distributed
-from shardkit.checkpoint.spec import ShardMetadata, TensorShardSpec, flat_shard_metadata
-from shardkit.checkpoint.validate import ValidationReport, validate_distributed
+from shardkit.checkpoint.loading.distributed_load import load_consolidated, load_distributed, load_region, read_metadata, reshard
+from shardkit.checkpoint.loading.read_path import OpenCheckpoint, open_checkpoint
+from shardkit.checkpoint.saving.distributed_save import save_distributed
+from shardkit.checkpoint.format.spec import ShardMetadata, TensorShardSpec, flat_shard_metadata
+from shardkit.checkpoint.loading.validate import ValidationReport, validate_distributed
 from shardkit.layout import compute_shard_sizes
-from shardkit.checkpoint.async_save import AsyncCheckpointer, AsyncWaitTimeout, CheckpointFuture
+from shardkit.checkpoint.background.checkpointer import AsyncCheckpointer, AsyncWaitTimeout, CheckpointFuture
 # ``save`` is the dcp-style function (``save_distributed`` lives in ``distributed_save.py``).
 from shardkit.checkpoint.api import async_save, load, save
-from shardkit.checkpoint.manager import CheckpointManager
+from shardkit.checkpoint.manager.checkpoint_manager import CheckpointManager
 
 __all__ = [
     "open_checkpoint",

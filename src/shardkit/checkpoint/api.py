@@ -37,19 +37,19 @@ import weakref
 
 import torch.distributed as dist
 
-from shardkit.checkpoint.background_group import dedicated_gloo_group
-from shardkit.checkpoint.future import CheckpointFuture
-from shardkit.checkpoint.chunked_save import prepare, write_and_commit
-from shardkit.checkpoint.incremental import base_directory
-from shardkit.checkpoint.group import resolve_group
-from shardkit.checkpoint.load_names import LoadOptions
+from shardkit.checkpoint.background.group import dedicated_gloo_group
+from shardkit.checkpoint.background.future import CheckpointFuture
+from shardkit.checkpoint.saving.chunked_save import prepare, write_and_commit
+from shardkit.checkpoint.saving.incremental import base_directory
+from shardkit.checkpoint.coordination.group import resolve_group
+from shardkit.checkpoint.planning.load_names import LoadOptions
 from shardkit.checkpoint.load_source import load_from_source
 from shardkit.checkpoint.logs import logged
-from shardkit.checkpoint.shutdown import join_at_exit
-from shardkit.checkpoint.staging import stage
-from shardkit.checkpoint.staging_reserve import StagingReserve
+from shardkit.checkpoint.background.shutdown import join_at_exit
+from shardkit.checkpoint.background.staging import stage
+from shardkit.checkpoint.background.staging_reserve import StagingReserve
 from shardkit.errors import AsyncCheckpointError
-from shardkit.sources.base import open_source
+from shardkit.sources.opening import open_source
 from shardkit.storage import storage_for
 
 __all__ = ["save", "load", "async_save", "resolve_world", "start_background", "start_background_work",
@@ -87,7 +87,7 @@ def save(state_dict, dir, *, group=None, metadata=None, rank_state=None, base=No
     ``base``: an incremental save (format version 3). ``base`` is a complete
     checkpoint directory beside ``dir`` (same parent folder or URL prefix);
     each chunk whose bytes equal, byte for byte, the base's chunk of the same
-    tensor and box is referenced instead of written (``checkpoint/incremental.py``).
+    tensor and box is referenced instead of written (``checkpoint/saving/incremental.py``).
     The new checkpoint then needs the base (and what the base references) to
     load: keep it (``CheckpointManager(incremental=True)`` does), or a load
     raises :class:`MissingBaseError` naming it. Not for ``dir == base``.
@@ -109,7 +109,7 @@ def load(state_dict, dir, *, group=None, strict: bool = True, rank_state=None, c
     """Fill ``state_dict`` in place from the checkpoint at ``dir``: shardkit's own (every version), a PyTorch
     DCP one or a Hugging Face one, whatever mesh or world size saved it.
 
-    The format is the one detector's (``shardkit.sources.detect``: ``metadata.json``, then a Hugging Face
+    The format is the one detector's (``shardkit.format_detect``: ``metadata.json``, then a Hugging Face
     weights file or index, then DCP's ``.metadata``). Each DTensor leaf receives its local box (only the
     bytes of that box are read: safetensors rows, DCP records), each plain tensor the whole tensor, each
     plain leaf its saved value. ``.bin`` files are read through ``torch.load(weights_only=True)`` and DCP's
@@ -233,7 +233,7 @@ def stage_for_background(prep, background, dir) -> None:
 
 def reserve_staging(prep, background) -> None:
     """Start making the staging buffers the next save on ``background`` copies ``prep``'s tensors into:
-    allocated and faulted in on a thread of their own (``checkpoint.staging_reserve``), so that save
+    allocated and faulted in on a thread of their own (``checkpoint.background.staging_reserve``), so that save
     blocks only for the copy. Raises :class:`AsyncCheckpointError` while a save on ``background`` is
     in flight (its buffers are busy); replaces an earlier reserve."""
     key = _key(background)

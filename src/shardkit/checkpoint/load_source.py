@@ -2,14 +2,14 @@
 
 The steps, every check before the first read:
 
-1. names: :func:`~shardkit.checkpoint.load_names.plan_names` maps each state
+1. names: :func:`~shardkit.checkpoint.planning.load_names.plan_names` maps each state
    leaf to the checkpoint name it reads (``prefix``, ``rename``, ``exclude``,
    tied-weight aliases, ``strict``, ``allow_partial``);
 2. boxes: each tensor leaf's box on this rank (a DTensor's ``local_box``, a
    plain tensor's whole shape), its global shape and dtype checked against
    the checkpoint (another floating dtype only with ``cast=True``);
 3. reads: the source's ``read_boxes`` (one reader per format,
-   ``shardkit.sources``) through the fill engine (``checkpoint/fill.py``):
+   ``shardkit.sources``) through the fill engine (``checkpoint/loading/fill.py``):
    straight into the local tensors where they are contiguous CPU tensors of
    the saved dtype; else, on the CPU from a source that allows it
    (``slab_reads``: Hugging Face), a slab of rows at a time through one
@@ -35,15 +35,15 @@ from typing import Mapping
 
 import torch
 
-from shardkit.checkpoint.dtensor_layout import local_box, outside_mesh
-from shardkit.checkpoint.fill import fill
-from shardkit.checkpoint.load_into import replace_plain, state_leaves
-from shardkit.checkpoint.load_names import LoadOptions, plan_names
-from shardkit.checkpoint.rank_state import check_reserved, is_rank_state_name, rank_state_targets, warn_world_changed
+from shardkit.checkpoint.planning.dtensor_layout import local_box, outside_mesh
+from shardkit.checkpoint.loading.fill import fill
+from shardkit.checkpoint.loading.load_into import replace_plain, state_leaves
+from shardkit.checkpoint.planning.load_names import LoadOptions, plan_names
+from shardkit.checkpoint.format.rank_state import check_reserved, is_rank_state_name, rank_state_targets, warn_world_changed
 from shardkit.errors import TensorMismatchError
 from shardkit.layout import Box
 from shardkit.sources.base import CheckpointSource, leaf_values
-from shardkit.storage.destinations import shared_destinations
+from shardkit.storage.fast_io.destinations import shared_destinations
 
 __all__ = ["load_from_source"]
 

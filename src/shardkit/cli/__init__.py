@@ -1,8 +1,11 @@
 """The ``shardkit`` command: inspect, validate, demo and bench.
 
 Each subcommand lives in its own module and registers itself in :func:`main`'s
-parser. Errors never print a traceback: one line on stderr, and the exit code
-says what went wrong. Set ``SHARDKIT_DEBUG=1`` to get the traceback too.
+parser. Errors never print a traceback: every subcommand's errors come back
+through :func:`main`, the one error path: one line on stderr, and the exit
+code ``cli.exit_codes`` gives the error (a subcommand may set
+``damaged_exit``: ``diff`` answers a damaged checkpoint with 2, its 1 meaning
+"they differ"). Set ``SHARDKIT_DEBUG=1`` to get the traceback too.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import sys
 import traceback
 
+from shardkit.cli._tools import setup_logging
 from shardkit.cli.exit_codes import (EXIT_BROKEN_PIPE, EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE,
                                      exit_code_for)
 from shardkit.errors import ShardkitError
@@ -40,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits 2
     try:
+        setup_logging(args)
         code = int(args.run(args) or 0)
         sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
         return code
@@ -49,12 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _fail(args, "interrupted", EXIT_INTERRUPTED)
     except ShardkitError as e:
-        return _fail(args, str(e), exit_code_for(e))
+        return _fail(args, str(e) or type(e).__name__, _exit_code(args, e))
     except OSError as e:  # the environment: permissions, a vanished file, a full disk
-        return _fail(args, f"{type(e).__name__}: {e}", EXIT_USAGE)
+        return _fail(args, f"{type(e).__name__}: {e}", _exit_code(args, e))
     except Exception as e:  # noqa: BLE001 -- a bug: still one line, with the way to see more
         hint = "" if _debug() else " (an internal error; set SHARDKIT_DEBUG=1 for the traceback, and report it)"
         return _fail(args, f"{type(e).__name__}: {e}{hint}", EXIT_INTERNAL)
+
+
+def _exit_code(args, error: BaseException) -> int:
+    """``exit_code_for(error)``, or the subcommand's ``damaged_exit`` for a damaged checkpoint."""
+    code = exit_code_for(error)
+    damaged = getattr(args, "damaged_exit", None)
+    return code if damaged is None or code == EXIT_USAGE else damaged
 
 
 def _fail(args, message: str, code: int) -> int:

@@ -1,10 +1,10 @@
-"""What the reshard / convert / diff subcommands share: options, logging, progress, one-line errors.
+"""What the reshard / convert / diff subcommands share: options, logging, progress.
 
 ``add_common`` adds ``--quiet`` and ``-v/--verbose`` (INFO; ``-vv`` DEBUG)
-for the ``shardkit.*`` loggers; :func:`progress_bar` is a tqdm bar on stderr,
-off with ``--quiet`` or when stderr is not a terminal; :func:`guarded` turns
-an error into one line on stderr and the exit code ``cli.exit_codes`` gives
-it (1 for a damaged checkpoint, 2 for bad input), never a traceback.
+for the ``shardkit.*`` loggers (``setup_logging``, called by ``cli.main`` for
+every subcommand); :func:`progress_bar` is a tqdm bar on stderr, off with
+``--quiet`` or when stderr is not a terminal. Errors are not answered here:
+every subcommand's errors go to ``cli.main``, the one error path.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import contextlib
 import logging
 import sys
 
-from shardkit.cli.exit_codes import EXIT_USAGE, exit_code_for
-from shardkit.errors import ShardkitError
 
-__all__ = ["add_common", "guarded", "progress_bar", "setup_logging"]
+__all__ = ["add_common", "progress_bar", "setup_logging"]
 
 
 def add_common(p) -> None:
@@ -48,26 +46,3 @@ def progress_bar(args, total_bytes: int, desc: str):
     with tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
               leave=False) as bar:
         yield bar.update
-
-
-def guarded(command: str, run, *, damaged_exit: int | None = None):
-    """``run(args)`` with shardkit's errors answered by one line on stderr and an exit code: 1 for a
-    damaged or incomplete checkpoint (``damaged_exit`` instead, when given: ``diff`` says 2, its 1
-    meaning "they differ"), 2 for bad input (a missing file, a taken destination, a refused value).
-
-    Only typed errors (``ShardkitError``, ``OSError``) are answered here; bad input the CLI finds
-    itself is ``shardkit.errors.InputError`` (2). Anything else, a bare ``ValueError`` or ``TypeError``
-    included, is a bug and goes on to ``cli.main``: exit 3, "internal error", as in inspect and validate.
-    """
-
-    def wrapper(args) -> int:
-        setup_logging(args)
-        try:
-            return int(run(args) or 0)
-        except (ShardkitError, OSError) as e:
-            message = str(e).splitlines()[0] if str(e) else type(e).__name__
-            print(f"shardkit {command}: error: {message}", file=sys.stderr)
-            code = exit_code_for(e)
-            return code if damaged_exit is None or code == EXIT_USAGE else damaged_exit
-
-    return wrapper

@@ -11,8 +11,9 @@ subtree P instead (stripped), ``--prefix ''`` every tensor as named,
 optimizer state included. Optionally cast with ``--dtype``, in shards of at
 most ``--max-shard-size``, plus ``config.json`` (``--config``, or one found
 in SRC); written by the same writer as ``shardkit.hf.save_checkpoint``.
-``--to distributed`` writes a one-rank checkpoint with every tensor
-replicated (loads on any world size).
+``--to distributed`` (or ``--to shardkit``: the same format, shardkit's own
+per-rank one, not DCP's "Distributed Checkpoint") writes a one-rank checkpoint
+with every tensor replicated (loads on any world size).
 Tensor by tensor; DST appears complete or not at all.
 Exit codes: 0 done, 1 SRC is incomplete or corrupt, 2 bad input (a missing SRC, DST exists, a bad option,
 a --from naming a format SRC does not hold).
@@ -24,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 
-from shardkit.cli._tools import add_common, guarded, progress_bar
+from shardkit.cli._tools import add_common, progress_bar
 from shardkit.cli.json_out import json_text
 from shardkit.cli.target import check_from, checkpoint_kind
 from shardkit.errors import InputError
 
+#: Clearer names the options take for a kind (the kind keeps its name on disk and in output).
+KIND_ALIASES = {"shardkit": "distributed"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32",
           "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
@@ -39,9 +42,10 @@ def register(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="the checkpoint to read (distributed, HF or DCP directory)")
     p.add_argument("dst", help="the directory to write (must not exist)")
-    p.add_argument("--to", required=True, choices=("hf", "distributed"), help="the format to write")
-    p.add_argument("--from", dest="from_kind", choices=("distributed", "hf", "dcp"), default=None,
-                   help="the format of SRC (default: detected)")
+    p.add_argument("--to", required=True, choices=("hf", "distributed", "shardkit"),
+                   help="the format to write (shardkit: another name for distributed, shardkit's own format)")
+    p.add_argument("--from", dest="from_kind", choices=("distributed", "shardkit", "hf", "dcp"), default=None,
+                   help="the format of SRC (default: detected; shardkit is another name for distributed)")
     p.add_argument("--max-shard-size", default="5GB", help="largest HF shard, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="cast floating tensors to this dtype")
     p.add_argument("--prefix", default=None,
@@ -50,7 +54,7 @@ def register(sub) -> None:
     p.add_argument("--config", default=None, help="a config.json to write beside the weights (--to hf)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     add_common(p)
-    p.set_defaults(run=guarded("convert", run))
+    p.set_defaults(run=run)
 
 
 def run(args) -> int:
@@ -62,6 +66,8 @@ def run(args) -> int:
     from shardkit.offline import export_distributed, export_hf
     from shardkit.sources import detect_kind, open_source
 
+    args.to = KIND_ALIASES.get(args.to, args.to)
+    args.from_kind = KIND_ALIASES.get(args.from_kind, args.from_kind)
     max_shard_bytes = _max_shard_bytes(args.max_shard_size)  # options first: a bad one is 2, nothing opened
     if args.config and not os.path.isfile(args.config):
         raise FileNotFoundError(f"--config {args.config} does not exist")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from shardkit.cli._tools import add_common, guarded, progress_bar
+from shardkit.cli._tools import add_common, progress_bar
 from shardkit.cli.json_out import json_text
 
 
@@ -31,7 +31,7 @@ def register(sub) -> None:
     p.add_argument("--verify", action="store_true",
                    help="read and check every common tensor's bytes, even where the recorded checksums match")
     add_common(p)
-    p.set_defaults(run=guarded("diff", run, damaged_exit=2))
+    p.set_defaults(run=run, damaged_exit=2)
 
 
 def _fmt(x) -> str:

@@ -33,7 +33,7 @@ def register(sub) -> None:
 
 
 def _row(name: str, saved) -> dict:
-    from shardkit.checkpoint.compact_manifest import GridChunks
+    from shardkit.checkpoint.format.compact_manifest import GridChunks
     from shardkit.dtypes import NAME_TO_DTYPE
 
     spec = saved.spec

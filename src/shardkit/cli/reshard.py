@@ -13,7 +13,7 @@ Example: shardkit reshard ckpt/step-100 ckpt/step-100-ws3 --world-size 3
 
 from __future__ import annotations
 
-from shardkit.cli._tools import add_common, guarded, progress_bar
+from shardkit.cli._tools import add_common, progress_bar
 from shardkit.cli.json_out import json_text
 from shardkit.cli.target import DISTRIBUTED, checkpoint_kind
 from shardkit.errors import InputError
@@ -28,7 +28,7 @@ def register(sub) -> None:
     p.add_argument("--world-size", type=int, required=True, metavar="M", help="the number of ranks to reshard for")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     add_common(p)
-    p.set_defaults(run=guarded("reshard", run))
+    p.set_defaults(run=run)
 
 
 def run(args) -> int:

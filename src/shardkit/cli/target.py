@@ -8,7 +8,7 @@ raises :class:`InputError` (exit code 2) for a missing path, a file, a
 directory that holds no checkpoint at all, or a checkpoint file that is not a
 regular file (a FIFO would block the reader forever). The kind, and the
 order that decides a directory holding two formats, are the one detector's
-(:mod:`shardkit.sources.detect`, which every reader asks); a URL (``s3://``,
+(:mod:`shardkit.format_detect`, which every reader asks); a URL (``s3://``,
 ``memory://``) is asked of its store there too. It reads no file contents.
 
 Example::
@@ -22,7 +22,7 @@ import os
 import stat
 
 from shardkit.errors import InputError
-from shardkit.sources.detect import DCP, DISTRIBUTED, HF, KIND_NAMES, describe_names, find_format, format_of_names
+from shardkit.format_detect import DCP, DISTRIBUTED, HF, KIND_NAMES, describe_names, find_format, format_of_names
 
 __all__ = ["checkpoint_kind", "check_from", "DISTRIBUTED", "HF", "DCP"]
 
@@ -97,7 +97,7 @@ def _local_path(path: str) -> str:
     """``path``, or the local path a ``file:`` URL names."""
     if path[:5].lower() != "file:":
         return path
-    from shardkit.storage.backend import file_url_path  # storage_for's own reading of it (imports torch)
+    from shardkit.storage.backends.choose import file_url_path  # storage_for's own reading of it (imports torch)
 
     return file_url_path(path)
 

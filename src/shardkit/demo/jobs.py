@@ -102,7 +102,7 @@ def train_job(rank: int, world_size: int, root: str, last_step: int, save_every:
 
 def _die_while_writing(root: str) -> None:
     """Make this rank SIGKILL itself once its data file of the next save is written (before the commit)."""
-    import shardkit.checkpoint.chunked_save as chunked_save
+    import shardkit.checkpoint.saving.chunked_save as chunked_save
 
     real = chunked_save.write_safetensors
 

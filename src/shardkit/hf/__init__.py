@@ -37,9 +37,9 @@ from shardkit.hf.index import (
     save_shard_index,
 )
 from shardkit.hf.links import create_pretrained_symlinks
-from shardkit.hf.load import load_checkpoint, load_sharded_checkpoint
+from shardkit.hf.loading.load import load_checkpoint, load_sharded_checkpoint
 from shardkit.hf.metrics import load_checkpoint_metrics, save_checkpoint_metrics
-from shardkit.hf.save import save_checkpoint, save_sharded_checkpoint
+from shardkit.hf.saving.save import save_checkpoint, save_sharded_checkpoint
 from shardkit.hf.sharing import create_sharing_metadata, retie_parameters
 
 __all__ = [

@@ -29,16 +29,16 @@ from typing import Dict, Optional, Union
 
 import torch
 
-from shardkit.checkpoint.read_path import open_checkpoint
-from shardkit.checkpoint.validate import data_problems
+from shardkit.checkpoint.loading.read_path import open_checkpoint
+from shardkit.checkpoint.loading.validate import data_problems
 from shardkit.dtypes import from_safetensors_name
 from shardkit.layout import whole_box
 from shardkit.errors import IncompleteCheckpointError, MetadataError, TensorMismatchError
 from shardkit.hf.bin_io import read_bin_shard
-from shardkit.hf.export_plan import out_dtype, plan_export, select_model_names
-from shardkit.hf.export_write import export_index, remove_previous, write_export
+from shardkit.hf.saving.export_plan import out_dtype, plan_export, select_model_names
+from shardkit.hf.saving.export_write import export_index, remove_previous, write_export
 from shardkit.hf.index import load_shard_index, shard_size_bytes
-from shardkit.hf.save_checks import check_export_dtype
+from shardkit.hf.saving.save_checks import check_export_dtype
 from shardkit.hf.shard_io import shard_header
 from shardkit.hf.untrusted import hostile_input, non_regular_problems
 from shardkit.storage import LazyTensor
@@ -193,8 +193,8 @@ def hf_to_distributed(
     checkpoint lacks, or whose ``full_shape`` differs from the saved one,
     raises ``TensorMismatchError``.
     """
-    from shardkit.checkpoint import save_distributed
-    from shardkit.checkpoint.spec import as_spec_dict, check_world
+    from shardkit.checkpoint.saving.distributed_save import save_distributed
+    from shardkit.checkpoint.format.spec import as_spec_dict, check_world
     from shardkit.hf.directory import get_checkpoint_metadata
 
     check_world(0, world_size)

@@ -72,7 +72,7 @@ class CheckpointMeta:
     distributed: bool = False
 
 
-#: The layout of each commit marker the one detector (``shardkit.sources.detect``) knows.
+#: The layout of each commit marker the one detector (``shardkit.format_detect``) knows.
 _CANDIDATES = {
     SAFE_WEIGHTS_NAME: CheckpointMeta(SAFE_WEIGHTS_NAME, False, True),
     SAFE_INDEX_NAME: CheckpointMeta(SAFE_INDEX_NAME, True, True),
@@ -86,7 +86,7 @@ def get_checkpoint_metadata(path: str) -> Optional[CheckpointMeta]:
     """The layout of the checkpoint in ``path``, or None when there is none (or only a DCP one).
 
     Looks only at which files exist; :func:`validate_checkpoint` checks them.
-    The choice is the one detector's (:func:`shardkit.sources.detect.find_format`),
+    The choice is the one detector's (:func:`shardkit.format_detect.find_format`),
     so every reader sees one kind per directory: ``metadata.json`` (a shardkit
     distributed checkpoint) first, then, in ``from_pretrained``'s order,
     ``model.safetensors``, ``model.safetensors.index.json``,
@@ -95,7 +95,7 @@ def get_checkpoint_metadata(path: str) -> Optional[CheckpointMeta]:
     not warn about the others; ``save_checkpoint`` removes them, and
     :func:`~shardkit.hf.create_pretrained_symlinks` refuses to link next to them.
     """
-    from shardkit.sources.detect import find_format
+    from shardkit.format_detect import find_format
 
     try:
         found = find_format(path)
@@ -107,7 +107,7 @@ def get_checkpoint_metadata(path: str) -> Optional[CheckpointMeta]:
 def hf_layout(path: str) -> Optional[CheckpointMeta]:
     """The Hugging Face layout in ``path`` (``from_pretrained``'s order), whatever else the directory holds,
     or None: what a reader asked for the Hugging Face checkpoint there reads (``convert --from hf``)."""
-    from shardkit.sources.detect import HF, first_marker
+    from shardkit.format_detect import HF, first_marker
 
     try:
         return _CANDIDATES.get(first_marker(path, HF) or "")
@@ -187,7 +187,7 @@ def _file_problems(root: str, file_name: str, names: Optional[list], safetensors
 
 def _distributed_problems(path: str) -> List[str]:
     try:
-        from shardkit.checkpoint import validate_distributed
+        from shardkit.checkpoint.loading.validate import validate_distributed
     except ImportError:
         return [f"{path} looks like a distributed checkpoint, but shardkit.checkpoint is not available"]
     report = validate_distributed(path)

@@ -25,7 +25,7 @@ from torch.nn import Module
 
 from shardkit import knobs
 from shardkit.errors import MetadataError
-from shardkit.hf.save_checks import json_problem
+from shardkit.hf.saving.save_checks import json_problem
 from shardkit.hf.sharing import alias_to_source, find_shared_groups
 from shardkit.hf.untrusted import check_limits, read_json_file
 from shardkit.sizes import size_bytes

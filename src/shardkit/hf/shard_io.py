@@ -21,8 +21,8 @@ from shardkit.dtypes import from_safetensors_name, itemsize_bytes, to_safetensor
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.hf.untrusted import hostile_input, require_regular_file
 from shardkit.storage import BufferReader, Storage, byte_view, read_header, read_ranges, run_parallel
-from shardkit.storage.destinations import check_disjoint
-from shardkit.storage.read_ahead import prefetch_mapped
+from shardkit.storage.fast_io.destinations import check_disjoint
+from shardkit.storage.fast_io.map_prefetch import prefetch_mapped
 
 __all__ = ["indexed_entry", "map_shard", "read_shard", "read_shard_into", "shard_header"]
 
@@ -84,7 +84,7 @@ def map_shard(storage: Storage, path: str, names: list[str]) -> dict[str, torch.
 
     Nothing is read now: pages come from the page cache (or disk) when the
     tensors are first touched, or earlier from a background thread that maps
-    the named tensors' pages ahead of use (``storage.read_ahead``;
+    the named tensors' pages ahead of use (``storage.fast_io.map_prefetch``;
     ``knobs.MAP_PREFETCH``), and memory is shared with the page cache until
     a tensor is written to (writes stay private, never reaching the file).
     The header is checked as in :func:`read_shard`, read from the map itself. A tensor whose offset is

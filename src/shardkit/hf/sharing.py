@@ -18,9 +18,9 @@ from typing import List
 from torch import Tensor
 from torch.nn import Module
 
-from shardkit.checkpoint.dtensor_layout import is_dtensor
+from shardkit.checkpoint.planning.dtensor_layout import is_dtensor
 from shardkit.errors import TensorMismatchError
-from shardkit.storage.destinations import memory_identity
+from shardkit.storage.fast_io.destinations import memory_identity
 
 __all__ = [
     "create_sharing_metadata", "retie_parameters", "find_shared_groups", "alias_to_source", "tensor_names",

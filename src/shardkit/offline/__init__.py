@@ -4,7 +4,7 @@ Beside :mod:`shardkit.hf` and :mod:`shardkit.sources` (it reads through
 :func:`shardkit.sources.open_source` and writes with the storage and
 checkpoint writers), below the CLI. Every writer streams one tensor (or
 slice) at a time into a temporary sibling directory, reading the next one
-while it writes the current one (:mod:`~shardkit.offline.readahead`; memory:
+while it writes the current one (:mod:`~shardkit.offline.write_overlap`; memory:
 two reused buffers of about the largest chunk it moves), checks the result
 without re-reading the data (the block checksums are those of the bytes
 written), and renames it into place: the destination is complete or absent,

@@ -1,14 +1,14 @@
 """Streamed writers: reshard a distributed checkpoint, export any checkpoint as HF or as distributed.
 
 Each tensor (or each rank's slice of it) is a :class:`~shardkit.storage.LazyTensor`
-served by a :class:`~shardkit.offline.readahead.ReadAhead`: the source fills
+served by a :class:`~shardkit.offline.write_overlap.ReadAhead`: the source fills
 it in place (:meth:`CheckpointSource.read_into` of exactly the box a new
 rank holds; the source's files opened once) while the file writer writes the
 one before, in two reused buffers: peak memory is about two of the largest
 chunks moved, never the checkpoint. Files are the formats' own: a
 distributed checkpoint is written by the engine ``save`` uses (format
 version 3: ``plan.spec_chunk_plan``, ``chunked_save.write_data_file`` per
-rank, ``chunked_save.commit`` last); HF output by ``hf.export_write``. Every
+rank, ``chunked_save.commit`` last); HF output by ``hf.saving.export_write``. Every
 reader (``load``, ``load_distributed``, ``transformers``) reads the result. Output goes
 through :func:`~shardkit.offline.publish.publish_directory`.
 
@@ -27,9 +27,9 @@ import torch
 
 from shardkit.dtypes import itemsize_bytes
 from shardkit.errors import TensorMismatchError
-from shardkit.hf.export_plan import TRAINING_STATE_NAMES, out_dtype, select_model_names
+from shardkit.hf.saving.export_plan import TRAINING_STATE_NAMES, out_dtype, select_model_names
 from shardkit.offline.publish import publish_directory
-from shardkit.offline.readahead import ReadAhead
+from shardkit.offline.write_overlap import ReadAhead
 from shardkit.storage import LazyTensor, storage_for
 
 __all__ = ["reshard_checkpoint", "export_hf", "export_distributed", "select_names", "TRAINING_STATE_NAMES"]
@@ -62,10 +62,10 @@ def _write_distributed(tmp: str, world_size: int, entries: dict, fill, objects: 
 
     ``entries``: name -> (dtype, TensorShardSpec of the new layout); ``fill(name, offsets, out)``
     reads that box of ``name`` into ``out``. The next chunk is read while the current one is written
-    (:class:`~shardkit.offline.readahead.ReadAhead`)."""
-    from shardkit.checkpoint.chunked_save import Prepared, commit, write_data_file
-    from shardkit.checkpoint.manifest import data_file_name
-    from shardkit.checkpoint.plan import spec_chunk_plan
+    (:class:`~shardkit.offline.write_overlap.ReadAhead`)."""
+    from shardkit.checkpoint.saving.chunked_save import Prepared, commit, write_data_file
+    from shardkit.checkpoint.format.manifest import data_file_name
+    from shardkit.checkpoint.planning.plan import spec_chunk_plan
     from shardkit.dtypes import to_safetensors_name
 
     storage, root = storage_for(tmp)
@@ -110,7 +110,7 @@ def _check_distributed(tmp: str) -> list:
     """Problems with the directory just written: everything but re-hashing the data, whose block
     checksums ``write_safetensors`` took from the bytes it handed to the files (and compared with
     the source's) while writing them."""
-    from shardkit.checkpoint import validate_distributed
+    from shardkit.checkpoint.loading.validate import validate_distributed
 
     return validate_distributed(tmp, hash_bytes=False).problems
 
@@ -130,8 +130,8 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
 
     >>> reshard_checkpoint("ckpt/step-100", "ckpt/step-100-ws3", world_size=3)
     """
-    from shardkit.checkpoint.plan import chunk_split_dim
-    from shardkit.checkpoint.spec import TensorShardSpec
+    from shardkit.checkpoint.planning.plan import chunk_split_dim
+    from shardkit.checkpoint.format.spec import TensorShardSpec
     from shardkit.layout import compute_shard_sizes
     from shardkit.sources import open_source
 
@@ -159,7 +159,7 @@ def reshard_checkpoint(src: str, dst: str, world_size: int, *, progress: Progres
 
 
 def select_names(names, prefix: Optional[str]) -> dict[str, str]:
-    """``source name -> exported name``; :func:`shardkit.hf.export_plan.select_model_names` (kept under this name).
+    """``source name -> exported name``; :func:`shardkit.hf.saving.export_plan.select_model_names` (kept under this name).
 
     >>> sorted(select_names(["model.w", "optim.w_m"], None).items())
     [('model.w', 'w')]
@@ -173,24 +173,24 @@ def export_hf(src: str, dst: str, *, kind: Optional[str] = None, prefix: Optiona
     """Export the model in any checkpoint ``src`` (distributed, HF, DCP) as a Hugging Face checkpoint ``dst``.
 
     The model tensors only, by default: ``prefix`` as
-    :func:`~shardkit.hf.export_plan.select_model_names` reads it (None: no
+    :func:`~shardkit.hf.saving.export_plan.select_model_names` reads it (None: no
     optimizer state, no ``__rank_state__``, a lone ``model.`` subtree
     stripped; ``""``: every tensor as named). Casts floating tensors to
     ``dtype`` when given, writes ``model-0000i-of-0000n.safetensors`` shards
     of at most ``max_shard_bytes`` through the one HF writer
-    (:mod:`shardkit.hf.export_write`, as ``save_checkpoint`` and
+    (:mod:`shardkit.hf.saving.export_write`, as ``save_checkpoint`` and
     ``distributed_to_hf`` do) and the index last, and copies ``config`` (or
     a ``config.json`` found in ``src``). Each tensor is read while the one
-    before is written (:class:`~shardkit.offline.readahead.ReadAhead`).
+    before is written (:class:`~shardkit.offline.write_overlap.ReadAhead`).
     Plain values are not exported. ``dst`` must not exist; it appears
     complete and checked, or not at all.
 
     >>> export_hf("dcp_ckpt", "hf_out", prefix="model.", dtype=torch.bfloat16)
     """
     from shardkit.hf.convert import read_config_file
-    from shardkit.hf.export_plan import plan_export
-    from shardkit.hf.export_write import export_index, write_export, write_order
-    from shardkit.hf.save_checks import check_export_dtype
+    from shardkit.hf.saving.export_plan import plan_export
+    from shardkit.hf.saving.export_write import export_index, write_export, write_order
+    from shardkit.hf.saving.save_checks import check_export_dtype
     from shardkit.sources import open_source
 
     check_export_dtype(dtype, True)
@@ -253,7 +253,7 @@ def export_distributed(src: str, dst: str, *, kind: Optional[str] = None, dtype:
 
     >>> export_distributed("dcp_ckpt", "ckpt/imported")
     """
-    from shardkit.checkpoint.spec import TensorShardSpec
+    from shardkit.checkpoint.format.spec import TensorShardSpec
     from shardkit.sources import open_source
 
     with open_source(src, kind) as source:
@@ -275,7 +275,7 @@ def _leaf_objects(src: str, tensor_names: list, objects: dict, structure) -> tup
     A source without a structure (DCP, HF) may hold a list, tuple or dict as
     one value (DCP keeps AdamW's ``optim.param_groups.0.betas`` whole); the
     manifest holds only plain leaves, so the names and values are flattened
-    by :func:`~shardkit.checkpoint.nested.flatten` (``...betas.0``,
+    by :func:`~shardkit.checkpoint.format.nested.flatten` (``...betas.0``,
     ``...betas.1``) and its structure keeps each source name as one
     top-level key: a load gives back the source's names, each value as it
     was (a tuple as a tuple). A source with a structure (shardkit's own) is
@@ -284,7 +284,7 @@ def _leaf_objects(src: str, tensor_names: list, objects: dict, structure) -> tup
     >>> _leaf_objects("ck", ["w"], {"b": (0.9, 0.99)}, None)[0]
     {'b.0': 0.9, 'b.1': 0.99}
     """
-    from shardkit.checkpoint.nested import flatten
+    from shardkit.checkpoint.format.nested import flatten
 
     if structure is not None or not objects:
         return objects, structure

@@ -1,8 +1,8 @@
 """Read-only access to any checkpoint shardkit reads: shardkit distributed, Hugging Face, PyTorch DCP.
 
-Sits beside :mod:`shardkit.hf` (it uses :mod:`shardkit.checkpoint`,
-:mod:`shardkit.hf` and :mod:`shardkit.storage`) and below the CLI.
-:func:`detect_kind` (``sources/detect.py``) is the one format detector every
+Sits above :mod:`shardkit.hf` and the engine of :mod:`shardkit.checkpoint` (it reads through
+them and :mod:`shardkit.storage`), below ``checkpoint.load`` and the CLI.
+:func:`detect_kind` (``shardkit/format_detect.py``, below all readers) is the one format detector every
 reader asks; :func:`open_source` gives a :class:`CheckpointSource` (one
 reader per format behind one interface) that lists tensors
 (``name -> TensorInfo(dtype, shape, checksum)``), reads whole tensors or
@@ -11,8 +11,8 @@ without unpickling anything with plain pickle. Nothing here writes.
 :func:`complete_kind` says whether a directory is a complete checkpoint of a
 kind ``checkpoint.load`` reads, and which, without reading tensor data.
 
-Names load on first use (PEP 562): importing ``shardkit.sources.detect``
-(the CLI's detection) imports no torch.
+Names load on first use (PEP 562): importing ``shardkit.sources`` imports no torch until a
+reader is asked for (the CLI's detection, ``shardkit.format_detect``, imports none).
 
 Example::
 
@@ -25,8 +25,10 @@ Example::
 from shardkit.lazy_names import lazy_names
 
 _HOMES = {
-    "base": ["CheckpointSource", "TensorInfo", "open_source"],
-    "detect": ["KINDS", "complete_kind", "detect_kind", "find_format", "format_problems"],
+    "base": ["CheckpointSource", "TensorInfo"],
+    "opening": ["open_source"],
+    "completeness": ["complete_kind", "format_problems"],
+    "shardkit.format_detect": ["KINDS", "detect_kind", "find_format"],
     "dcp": ["DcpCheckpoint", "is_dcp_checkpoint"],
     "dcp_metadata": ["read_dcp_metadata"],
 }

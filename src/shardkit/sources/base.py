@@ -1,6 +1,6 @@
 """One read-only view of any checkpoint shardkit reads: names, dtypes, shapes, checksums, one tensor at a time.
 
-:func:`open_source` recognises a shardkit distributed checkpoint
+:func:`~shardkit.sources.open_source` (``sources/opening.py``) recognises a shardkit distributed checkpoint
 (``metadata.json``), a Hugging Face directory (``model.safetensors.index.json``,
 ``model.safetensors``, ``pytorch_model.bin[.index.json]``) and a PyTorch DCP
 checkpoint (``.metadata``), and returns a :class:`CheckpointSource`:
@@ -8,7 +8,7 @@ checkpoint (``.metadata``), and returns a :class:`CheckpointSource`:
 reading tensor data, ``read(name)`` returns one whole tensor, ``read_boxes``
 any boxes of any tensors (reading only their bytes where the format allows:
 ``checkpoint.load`` fills a rank's DTensor shards through it). The kind is
-the one detector's (``sources/detect.py``). It reuses the
+the one detector's (``format_detect.py``). It reuses the
 existing readers (``load_region``, the HF shard readers, the DCP reader) and
 never writes. ``checksum`` is a digest that is equal for two tensors only if
 their bytes are (from a distributed checkpoint's block checksums); it is None
@@ -24,19 +24,14 @@ Example::
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
-from shardkit.errors import MetadataError
 from shardkit.layout import Box
-from shardkit.sources.detect import KINDS, detect_kind
 
-__all__ = ["TensorInfo", "CheckpointSource", "open_source", "detect_kind", "KINDS", "leaf_values"]
-
-log = logging.getLogger("shardkit.sources")
+__all__ = ["TensorInfo", "CheckpointSource", "leaf_values"]
 
 
 @dataclass(frozen=True)
@@ -143,24 +138,6 @@ class CheckpointSource:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def open_source(path: str, kind: str | None = None, *, verify: bool | None = True) -> CheckpointSource:
-    """Open the checkpoint in ``path`` for reading (``kind`` forces one of :data:`KINDS`; None: detect).
-
-    ``verify`` (distributed checkpoints only): True hashes every block a read
-    touches; None follows ``knobs.VERIFY_ON_LOAD`` (``checkpoint.load``'s choice).
-    """
-    from shardkit.sources.hf_source import HFSource
-    from shardkit.sources.readers import DcpSource, DistributedSource
-
-    kind = kind or detect_kind(path)
-    if kind not in KINDS:
-        raise MetadataError(f"unknown checkpoint kind {kind!r}; choose from {', '.join(KINDS)}")
-    log.info("opening %s as a %s checkpoint", path, kind)
-    if kind == "distributed":
-        return DistributedSource(path, verify=verify)
-    return {"hf": HFSource, "dcp": DcpSource}[kind](path)
 
 
 def leaf_values(values: Mapping[str, Any]) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from shardkit.sources.dcp_metadata import chunk_boxes, int_tuple, read_dcp_metad
 from shardkit.sources.dcp_files import OpenReaders, RecordView
 from shardkit.sources.dcp_record import check_record_crcs, crc32, tensor_data_span
 from shardkit.storage import Reader, check_relative_name, storage_for
-from shardkit.storage.tensor_io import byte_view
+from shardkit.storage.safetensors_format.tensor_io import byte_view
 
 __all__ = ["DcpChunk", "DcpTensor", "DcpCheckpoint", "is_dcp_checkpoint"]
 

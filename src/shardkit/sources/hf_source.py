@@ -3,7 +3,7 @@
 Reads the index (or the single file's header) and every safetensors header
 once (each file checked as ``shardkit.hf`` checks it: a regular file, a
 whole, well-formed header). A box of a safetensors tensor is read through
-the checkpoint engine (``checkpoint.plan.plan_load`` + ``execute.run_loads``):
+the checkpoint engine (``checkpoint.planning.plan.plan_load`` + ``execute.run_loads``):
 to it a safetensors tensor is one chunk covering the whole tensor, so a rank
 reads only the rows (byte ranges) of its box, in parallel, straight into
 the caller's tensor when it can. A ``.bin`` file has no byte layout to
@@ -25,11 +25,11 @@ from typing import Any, Mapping
 
 import torch
 
-from shardkit.checkpoint.chunks import Chunk
-from shardkit.checkpoint.execute import OpenFiles, check_chunks, run_loads, scratch_elems_of
-from shardkit.checkpoint.manifest import SavedTensor
-from shardkit.checkpoint.plan import plan_load
-from shardkit.checkpoint.spec import TensorShardSpec
+from shardkit.checkpoint.format.chunks import Chunk
+from shardkit.checkpoint.loading.execute import OpenFiles, check_chunks, run_loads, scratch_elems_of
+from shardkit.checkpoint.format.manifest import SavedTensor
+from shardkit.checkpoint.planning.plan import plan_load
+from shardkit.checkpoint.format.spec import TensorShardSpec
 from shardkit.dtypes import from_safetensors_name, to_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box, whole_box

@@ -17,9 +17,9 @@ from typing import Any, Mapping
 import torch
 import xxhash
 
-from shardkit.checkpoint.execute import check_chunks
-from shardkit.checkpoint.plan import saved_chunks
-from shardkit.checkpoint.read_path import check_box, open_checkpoint
+from shardkit.checkpoint.loading.execute import check_chunks
+from shardkit.checkpoint.planning.plan import saved_chunks
+from shardkit.checkpoint.loading.read_path import check_box, open_checkpoint
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box
 from shardkit.sources.base import CheckpointSource, TensorInfo

@@ -57,7 +57,7 @@ def new_block_hasher():
     """A fresh xxh3-64 hasher (``.update(buffer)``, ``.hexdigest()``) for one block's bytes.
 
     The extension's ``shardkit._stream_copy.Xxh3`` where it was built (its
-    ``copy_update`` lets ``storage.memcopy.copy_and_hash`` copy and hash in
+    ``copy_update`` lets ``storage.fast_io.memcopy.copy_and_hash`` copy and hash in
     one pass), else ``xxhash.xxh3_64()``. Both give the same digests; either
     may be fed from several threads, one update at a time.
 

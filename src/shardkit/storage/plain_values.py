@@ -14,7 +14,7 @@ taken for an encoded one, and a file of an earlier version decodes unchanged.
 ``metadata.json`` stays strict JSON (no bare ``NaN``). Layout in
 ``docs/format.md`` ("How each plain value is stored").
 
-It does not flatten states (``checkpoint.nested``) or read files.
+It does not flatten states (``checkpoint.format.nested``) or read files.
 
 Example::
 

@@ -1,0 +1,1 @@
+"""``CheckpointManager``: a run's checkpoints, one directory per step; its metrics and rotation."""
