@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml setup.py $(wildcard src/shardkit/*.c src/shardkit/*.h t
 demo: $(STAMP)
 	$(VENV)/bin/shardkit demo
 
+# Two workers on CI's 2 cores (the suite waits on subprocesses and disks a third of the time; xdist_group
+# keeps the S3 tests on one worker and its one server); more where there are more cores, at most 4.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup
 
 bench: $(STAMP)
 	$(VENV)/bin/shardkit bench $(ARGS)
