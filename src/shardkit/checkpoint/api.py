@@ -99,7 +99,7 @@ def save(state_dict, dir, *, group=None, metadata=None, rank_state=None, base=No
     prep = prepare(state_dict, coordinator, rank, world_size, metadata, rank_state)
     storage, directory = storage_for(dir)
     if base is not None:
-        prep.base_dir = base_directory(storage, os.fspath(base))
+        prep.base_dir = base_directory(storage, directory, os.fspath(base))
     write_and_commit(prep, storage, directory, coordinator)
 
 
@@ -193,7 +193,7 @@ def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None, b
     coordinator, rank, world_size = resolve_world(group)
     prep = prepare(state_dict, coordinator, rank, world_size, metadata, rank_state)
     if base is not None:
-        prep.base_dir = base_directory(storage_for(dir)[0], os.fspath(base))
+        prep.base_dir = base_directory(*storage_for(dir), os.fspath(base))
     background = background_coordinator(group, coordinator, rank, world_size)
     stage_for_background(prep, background, dir)
     return start_background(prep, dir, background)

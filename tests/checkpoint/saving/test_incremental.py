@@ -303,3 +303,26 @@ def test_block_digest_only_ever_proves_a_difference(tmp_path, monkeypatch):
     out = _empty_like(st)
     ck.load(out, str(tmp_path / "s1"))
     _same_bits(out, st)
+
+
+def test_a_base_written_with_grid_entries_is_referenced_through_its_files_headers(tmp_path, monkeypatch):
+    # Jobs of COMPACT_MIN_RANKS ranks or more write grid entries, whose byte ranges only the files' headers hold.
+    from shardkit import knobs
+    monkeypatch.setattr(knobs, "COMPACT_MIN_RANKS", 1)
+    state = _state()
+    ck.save(state, tmp_path / "step-0")
+    assert "grid" in _meta(tmp_path / "step-0")["tensor_specs"]["model.frozen"]
+    state["lora"]["a"] = state["lora"]["a"] + 1
+    ck.save(state, tmp_path / "step-1", base=tmp_path / "step-0")
+    frozen = _meta(tmp_path / "step-1")["tensor_specs"]["model.frozen"]["chunks"]
+    assert [c.get("base") for c in frozen] == [0]
+    out = _empty_like(state)
+    ck.load(out, tmp_path / "step-1")
+    _same_bits(out, state)
+
+
+def test_a_base_on_another_store_is_refused_before_anything_is_written(tmp_path):
+    ck.save(_state(), "memory://runs/step-0")
+    with pytest.raises(MetadataError, match="beside it"):
+        ck.save(_state(), tmp_path / "step-1", base="memory://runs/step-0")
+    assert not (tmp_path / "step-1").exists()

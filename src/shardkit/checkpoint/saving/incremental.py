@@ -32,11 +32,12 @@ import torch
 
 from shardkit import knobs
 from shardkit.checkpoint.format.manifest import METADATA_FILE, Manifest, file_records, parse_manifest
+from shardkit.checkpoint.format.compact_manifest import GridChunks
 from shardkit.checkpoint.format.references import Base, base_key, data_path, metadata_save_id, parent_dir, split_key
 from shardkit.dtypes import to_safetensors_name
 from shardkit.errors import MetadataError, MissingShardError
 from shardkit.layout import Box
-from shardkit.storage import FileRecord, Reader, Storage, new_block_hasher, run_parallel, storage_for
+from shardkit.storage import FileRecord, Reader, Storage, new_block_hasher, read_header, run_parallel, storage_for
 
 __all__ = ["BaseView", "read_base", "check_sibling", "unchanged_chunks", "used_bases", "base_directory",
            "COMPARE_PIECE_BYTES"]
@@ -103,16 +104,34 @@ def read_base(storage: Storage, directory: str, base_directory: str) -> BaseView
 
 
 def _base_chunk(view: BaseView, name: str, full_shape: tuple[int, ...], box: Box, t: torch.Tensor):
+    """``(file key, begin, end)`` of the base's chunk of ``name`` with exactly ``box`` (begin and end
+    None for a grid entry's chunk: its file's header says), or None when the base has no such chunk."""
     saved = view.manifest.tensors.get(name)
     if saved is None or saved.chunks is None or tuple(saved.spec.full_shape) != tuple(full_shape):
         return None
     if saved.dtype != to_safetensors_name(t.dtype):
         return None
-    for c in saved.chunks:
-        if c.offsets == tuple(box.offsets) and c.sizes == tuple(box.sizes):
-            key = view.key_of(c.file)
-            return (key, c.begin, c.end) if key in view.records else None
-    return None
+    want = (tuple(box.offsets), tuple(box.sizes))
+    if isinstance(saved.chunks, GridChunks):      # found without expanding the grid; its header has the range
+        match = next(((f, None, None) for f, b, _ in saved.chunks.overlapping(box)
+                      if (tuple(b.offsets), tuple(b.sizes)) == want), None)
+    else:
+        match = next(((c.file, c.begin, c.end) for c in saved.chunks if (c.offsets, c.sizes) == want), None)
+    if match is None:
+        return None
+    key = view.key_of(match[0])
+    return (key, *match[1:]) if key in view.records else None
+
+
+def _header_range(reader: Reader, headers: dict, key: str, name: str, box: Box, t: torch.Tensor):
+    """``(begin, end)`` of tensor ``name`` in the base file open in ``reader``, from its header (read
+    once per file), or None unless the entry has ``box``'s shape and ``t``'s dtype."""
+    if key not in headers:
+        headers[key] = read_header(reader)
+    entry = headers[key].tensors.get(name)
+    if entry is None or tuple(entry.shape) != tuple(box.sizes) or entry.dtype != to_safetensors_name(t.dtype):
+        return None
+    return entry.begin, entry.end
 
 
 def _same_bytes(reader: Reader, begin: int, end: int, t: torch.Tensor, record: FileRecord,
@@ -191,6 +210,7 @@ def unchanged_chunks(storage: Storage, directory: str, view: BaseView,
     compared. Base files are opened once each, read through maps where the storage has them; the
     chunks are compared in parallel on the shared I/O threads (``storage.run_parallel``)."""
     readers: dict[str, Reader] = {}
+    headers: dict = {}
     refs: dict[str, list] = {}
     jobs = []
     digest_first = not storage.renames_directories   # an object store: a read is a request
@@ -203,14 +223,19 @@ def unchanged_chunks(storage: Storage, directory: str, view: BaseView,
             if found is None:
                 continue
             key, begin, end = found
-            if end - begin != math.prod(box.sizes) * t.element_size():
-                continue
             if key not in readers:
                 readers[key] = storage.open_reader(data_path(storage, directory, key))
                 if readers[key].size_bytes != view.records[key].bytes:
                     raise MetadataError(f"{data_path(storage, directory, key)} is {readers[key].size_bytes} bytes, "
                                         f"its base records {view.records[key].bytes}: the base is damaged. Save in "
                                         f"full (no base), then validate the base")
+            if begin is None:
+                found = _header_range(readers[key], headers, key, name, box, t)
+                if found is None:
+                    continue
+                begin, end = found
+            if end - begin != math.prod(box.sizes) * t.element_size():
+                continue
             jobs.append(lambda r=readers[key], n=name, k=key, b=begin, e=end, t=t:
                         refs.__setitem__(n, [k, b, e]) if _same_bytes(r, b, e, t, view.records[k], digest_first)
                         else None)
@@ -227,11 +252,10 @@ def used_bases(view: BaseView, keys) -> list[Base]:
     return [b for d, b in sorted(view.bases.items()) if d in dirs]
 
 
-def base_directory(storage: Storage, base) -> str:
-    """``base`` as a directory of ``storage`` (the save's own store): a URL of another store, or a
-    local path for a URL save, is refused (:class:`MetadataError`)."""
-    other, directory = storage_for(base)
-    if type(other) is not type(storage):
-        raise MetadataError(f"base={base!r} is on another storage than the save ({type(other).__name__}, the save "
-                            f"uses {type(storage).__name__}); a base must be a sibling of the new checkpoint")
-    return directory
+def base_directory(storage: Storage, directory: str, base) -> str:
+    """``base`` as its store spells it, checked to be a sibling of ``directory`` on ``storage`` (the save's
+    own) before anything is written: a base on another store (a URL beside a local save, a local path
+    beside a URL one) has another parent and is refused (:class:`MetadataError`, :func:`check_sibling`)."""
+    base_dir = storage_for(base)[1]
+    check_sibling(storage, directory, base_dir)
+    return base_dir
