@@ -130,9 +130,13 @@ def start(root: str, weed: str | None = None) -> SeaweedServer:
         f"-filer.localSocket={sockets}/filer.sock", f"-s3.localSocket={sockets}/s3.sock",
     ]
     log_path = os.path.join(root, "weed.log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+    except BaseException:
+        shutil.rmtree(sockets, ignore_errors=True)
+        raise
     server = SeaweedServer(f"http://127.0.0.1:{s3}", proc, log_path, sockets)
     try:
         _wait_ready(server)
