@@ -57,3 +57,36 @@ def test_a_kernel_without_the_advice_turns_it_off_other_errors_do_not(monkeypatc
     assert populate_for_write(0, 4 * PAGE_BYTES) is False  # EINVAL: never again
     assert populate_for_write(0, 4 * PAGE_BYTES) is False
     assert len(calls) == 2
+
+
+@linux_only
+def test_pages_already_in_memory_are_not_populated_again(monkeypatch):
+    calls = []
+    monkeypatch.setattr(prefault, "_madvise", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(prefault, "_unsupported", set())
+    present = torch.ones(4 << 20, dtype=torch.uint8)            # every page written
+    assert populate_for_write(present.data_ptr(), present.nbytes) is True
+    assert calls == []
+
+
+@linux_only
+def test_only_the_span_of_absent_pages_is_populated(monkeypatch):
+    calls = []
+    monkeypatch.setattr(prefault, "_madvise", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(prefault, "_unsupported", set())
+    buf = torch.empty(32 << 20, dtype=torch.uint8)               # a fresh mapping: no page in memory yet
+    buf[: 16 << 20].fill_(1)                                     # the first half written
+    assert populate_for_write(buf.data_ptr(), buf.nbytes) is True
+    [(addr, nbytes, advice)] = calls
+    end = (buf.data_ptr() + buf.nbytes) // PAGE_BYTES * PAGE_BYTES
+    assert advice == prefault._MADV_POPULATE_WRITE
+    assert buf.data_ptr() < addr and addr + nbytes == end         # the written half skipped, the rest asked for
+
+
+def test_without_mincore_the_whole_range_is_populated(monkeypatch):
+    calls = []
+    monkeypatch.setattr(prefault, "_madvise", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(prefault, "_unsupported", set())
+    monkeypatch.setattr(prefault, "_mincore", None)
+    assert populate_for_write(PAGE_BYTES, 4 * PAGE_BYTES) is True
+    assert calls == [(PAGE_BYTES, 4 * PAGE_BYTES, prefault._MADV_POPULATE_WRITE)]

@@ -74,20 +74,32 @@ def combine_block_digests(block_checksums: list[str]) -> str:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """What a manifest records about one data file: its size and checksums."""
+    """What a manifest records about one data file: its size and checksums.
+
+    ``header_checksum`` (None in files written before it existed, and where
+    the writer does not know the header) is the xxh3-64 of the file's bytes
+    ``0 .. 8 + N``: the safetensors length prefix and header. A reader checks
+    the header with it before trusting any offset in it, without hashing the
+    whole first block (up to ``block_bytes`` of tensor data, or a download
+    of that much on an object store); the blocks still verify every byte.
+    """
 
     bytes: int
     checksum: str
     block_bytes: int
     block_checksums: list[str] = field(default_factory=list)
+    header_checksum: str | None = None
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "bytes": self.bytes,
             "checksum": self.checksum,
             "block_bytes": self.block_bytes,
             "block_checksums": list(self.block_checksums),
         }
+        if self.header_checksum is not None:
+            out["header_checksum"] = self.header_checksum
+        return out
 
     @classmethod
     def from_json(cls, name: str, obj: object) -> "FileRecord":
@@ -95,7 +107,8 @@ class FileRecord:
 
         Every field is type-checked: ``bytes`` an int >= 0, ``block_bytes`` an
         int in ``1..knobs.MAX_CHECKSUM_BLOCK_BYTES``, ``checksum`` and each of
-        ``block_checksums`` a 16-hex-digit xxh3-64 value, one block checksum per block.
+        ``block_checksums`` a 16-hex-digit xxh3-64 value, one block checksum per block, and
+        ``header_checksum`` (optional) one too.
         """
         what = f"the manifest entry for file {short_repr(name)}"
         shape = "expected {bytes, checksum, block_bytes, block_checksums}"
@@ -117,7 +130,28 @@ class FileRecord:
         _check_digest(checksum[len(ALGORITHM) + 1:], f"{what}: checksum")
         for index, digest in enumerate(raw_blocks):
             _check_digest(digest, f"{what}: block_checksums[{index}]")
-        return cls(size, checksum, block_bytes, raw_blocks)
+        header_checksum = obj.get("header_checksum")
+        if header_checksum is not None:
+            _check_digest(header_checksum, f"{what}: header_checksum")
+        return cls(size, checksum, block_bytes, raw_blocks, header_checksum)
+
+    def verify_header(self, data, *, file_name: str) -> None:
+        """Raise :class:`ChecksumError` unless ``data`` (the file's bytes ``0 .. 8 + N``) is the header saved.
+
+        Only for a record with a ``header_checksum`` (``ValueError`` otherwise: the caller verifies the
+        first block instead).
+        """
+        if self.header_checksum is None:
+            raise ValueError("this record has no header_checksum: verify block 0 instead")
+        found = block_digest(data)
+        if found != self.header_checksum:
+            directory = file_name.rsplit("/", 1)[0] if "/" in file_name else "."
+            raise ChecksumError(
+                f"{file_name}: bytes 0..{len(data)} (the file's header) do not match their checksum (expected "
+                f"{self.header_checksum}, found {found}); the file is corrupt. Run `shardkit validate "
+                f"{directory}` to list every damaged file, then restore it from a copy or load an earlier "
+                f"checkpoint."
+            )
 
     def verify_block(self, index: int, data, *, file_name: str, holds: Holds = None) -> None:
         """Raise :class:`ChecksumError` unless ``data`` is block ``index`` as saved."""

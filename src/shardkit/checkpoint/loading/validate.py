@@ -160,7 +160,7 @@ def _check_file(storage, directory: str, m: Manifest, rank: int, record: FileRec
                 _check_bytes(reader, name, record, problems)
             elif record is not None and reader.size_bytes != record.bytes:
                 problems.append(f"{name} is {reader.size_bytes} bytes, the manifest records {record.bytes}")
-            header = read_header(reader)
+            header = read_header(reader, record)     # its own checksum, where the record has one
             _check_header(name, rank, header, m, chunks, problems, {} if dtypes is None else dtypes)
     except (CheckpointError, OSError, EOFError) as e:
         problems.append(f"{name}: {e}")

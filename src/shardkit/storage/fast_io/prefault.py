@@ -22,6 +22,8 @@ import errno
 import mmap
 import sys
 
+import numpy as np
+
 __all__ = ["populate_for_write", "advise", "PAGE_BYTES", "MADV_HUGEPAGE", "MADV_POPULATE_READ"]
 
 PAGE_BYTES: int = mmap.PAGESIZE
@@ -79,5 +81,46 @@ def populate_for_write(addr: int, nbytes: int) -> bool:
     Content is not changed: pages already present stay as they are. Where it
     returns False (see :func:`advise`) the caller's own writes fault the
     pages, as without this function.
+
+    Pages already in memory (a model's parameters loaded into in place) are
+    found first with one ``mincore`` call and skipped: only the span from
+    the first absent page to the last is populated. On the 2-core VM,
+    populating 1 GiB that was all present cost 0.045-0.09 s of page-table
+    walking; ``mincore`` over it costs about 0.5 ms.
     """
-    return advise(addr, nbytes, _MADV_POPULATE_WRITE)
+    span = _absent_span(addr, nbytes)
+    if span is None:
+        return True
+    return advise(span[0], span[1], _MADV_POPULATE_WRITE)
+
+
+def _absent_span(addr: int, nbytes: int) -> tuple[int, int] | None:
+    """``(address, nbytes)`` from the first whole page of the range not in memory to the last, None when every
+    whole page is in memory; the whole range when ``mincore`` is not there or fails (nothing is skipped)."""
+    start = (addr + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
+    end = (addr + nbytes) // PAGE_BYTES * PAGE_BYTES
+    if _mincore is None or end <= start:
+        return addr, nbytes
+    present = np.empty((end - start) // PAGE_BYTES, dtype=np.uint8)
+    if _mincore(start, end - start, present.ctypes.data) != 0:
+        return addr, nbytes
+    absent = np.flatnonzero((present & 1) == 0)
+    if absent.size == 0:
+        return None
+    first, last = int(absent[0]), int(absent[-1])
+    return start + first * PAGE_BYTES, (last + 1 - first) * PAGE_BYTES
+
+
+def _load_mincore():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_mincore = _load_mincore()

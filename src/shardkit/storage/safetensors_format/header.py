@@ -27,6 +27,7 @@ from shardkit import knobs
 from shardkit.dtypes import NAME_TO_DTYPE
 from shardkit.errors import MetadataError
 from shardkit.storage.backends.base import Reader
+from shardkit.storage.checksum import FileRecord
 from shardkit.layout import bounded_numel
 from shardkit.storage.json_io import expect_dict, expect_int, expect_list, expect_str, parse_json_object, short_repr
 
@@ -138,8 +139,12 @@ def file_layout(tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: dic
     return FileLayout(header, tuple(entries), tuple(order), offset)
 
 
-def read_header(reader: Reader) -> SafetensorsHeader:
+def read_header(reader: Reader, record: FileRecord | None = None) -> SafetensorsHeader:
     """Read and check the header of the safetensors file open in ``reader``.
+
+    With ``record``, a header it has a ``header_checksum`` for is verified
+    against it before a field is parsed (:class:`ChecksumError`); a record
+    without one (files written before they existed) checks nothing here.
 
     Everything :func:`parse_header` checks, and also that the tensors cover
     the data exactly, as the safetensors package requires: the first begins
@@ -161,7 +166,10 @@ def read_header(reader: Reader) -> SafetensorsHeader:
             f"{reader.size_bytes} bytes and headers are limited to "
             f"{knobs.MAX_SAFETENSORS_HEADER_BYTES}; the file is corrupt, truncated or not safetensors"
         )
-    header = parse_header(reader.name, reader.read(8, header_len), reader.size_bytes)
+    header_bytes = reader.read(8, header_len)
+    if record is not None and record.header_checksum is not None:
+        record.verify_header(struct.pack("<Q", header_len) + header_bytes, file_name=reader.name)
+    header = parse_header(reader.name, header_bytes, reader.size_bytes)
     _check_cover(reader.name, header.tensors._packed, reader.size_bytes - header.data_start)
     return header
 

@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Union
 
 import torch
@@ -32,7 +32,7 @@ from shardkit import knobs
 from shardkit.dtypes import itemsize_bytes, to_safetensors_name
 from shardkit.errors import ChecksumError
 from shardkit.storage.backends.base import Storage
-from shardkit.storage.checksum import BlockHasher, FileRecord
+from shardkit.storage.checksum import BlockHasher, FileRecord, block_digest
 from shardkit.storage.safetensors_format.header import file_layout
 from shardkit.storage.safetensors_format.tensor_io import byte_view
 
@@ -88,7 +88,8 @@ def write_safetensors(
     before the next one is produced, so memory holds about one of them.
     ``checksum=False`` skips the block hashes (for formats with nowhere to
     keep them, e.g. Hugging Face shards) and returns None. ``durable=False``
-    skips early writeback and fsync (see ``Storage.atomic_writer``).
+    skips early writeback and fsync (see ``Storage.atomic_writer``). The record carries the header's
+    own checksum (``FileRecord.header_checksum``), so a reader checks the header without the first block.
     """
     layout = file_layout([(name, to_safetensors_name(t.dtype), tuple(t.shape)) for name, t in named_tensors],
                          metadata)
@@ -99,8 +100,10 @@ def write_safetensors(
     with storage.atomic_writer(path, durable) as f:
         sink = storage.open_sink(f, durable, checksum, size_bytes=layout.size_bytes, inline=inline)
         if getattr(sink, "hashes_source", False) or (not checksum and hasattr(sink, "write_many")):
-            return _write_in_one_pass(path, sink, layout.header, order, checksum)
-        return _write_pieces(path, sink, layout, order, checksum)
+            record = _write_in_one_pass(path, sink, layout.header, order, checksum)
+        else:
+            record = _write_pieces(path, sink, layout, order, checksum)
+    return None if record is None else replace(record, header_checksum=block_digest(layout.header))
 
 
 def _write_in_one_pass(path: str, sink, header: bytes, order: list[tuple[str, TensorLike]],
