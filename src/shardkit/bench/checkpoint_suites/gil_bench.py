@@ -20,7 +20,13 @@ Rows (median, min, max over ``reps`` runs, the implementations interleaved):
 Implementations: ``async_save`` and ``CheckpointManager.save`` (shardkit),
 ``dcp.async_save`` in its thread mode and in its process mode (its writer
 process started by an untimed first save). Each implementation saves once
-untimed first, so every timed save reuses its staging memory.
+untimed first, so every timed save reuses its staging memory. One more row,
+``floor: another process writes the bytes``, is no implementation: a helper
+process already holding ``size_bytes`` in its own memory writes them to a
+file and fsyncs it. It copies nothing out of the trainer and holds none of
+its locks, so the slowdown it causes is what the writing alone costs the
+training loop on this machine (memory bandwidth, the page cache, the
+cores): a lower bound for every background save.
 
 It does not measure the write's throughput (the ``async`` suite does) or
 multi-rank saves. Example::
@@ -34,7 +40,10 @@ import contextlib
 import os
 import shutil
 import socket
+import select
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -44,14 +53,33 @@ from shardkit.bench.common import row
 from shardkit.bench.peers import single_process_dcp
 from shardkit.bench.workload import make_state
 
-__all__ = ["IMPLS", "run_gil_benchmarks"]
+__all__ = ["IMPLS", "FLOOR", "floor_saver", "run_gil_benchmarks"]
 
 #: Implementation names, in the order of the rows.
 IMPLS = ("shardkit", "shardkit CheckpointManager.save", "torch.distributed.checkpoint.async_save (thread)",
          "torch.distributed.checkpoint.async_save (process)")
 
+#: The floor: no implementation, see the module docstring.
+FLOOR = "floor: another process writes the bytes"
+
 #: Steps with no save in flight, taken before each timed save.
 QUIET_STEPS = 8
+
+#: The floor's writer: holds the bytes (touched), and for each path read from stdin writes them, fsyncs,
+#: and answers one line.
+_FLOOR_WRITER = r"""
+import os, sys
+data = bytearray(b"\x5a") * int(sys.argv[1])
+view, piece = memoryview(data), 16 << 20
+print("ready", flush=True)
+for line in sys.stdin:
+    fd = os.open(line.strip(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for start in range(0, len(view), piece):
+        os.write(fd, view[start:start + piece])
+    os.fsync(fd)
+    os.close(fd)
+    print("done", flush=True)
+"""
 
 
 def _trainer() -> Callable[[], None]:
@@ -107,12 +135,38 @@ def _savers(state: dict, root: str) -> dict[str, _Saver]:
         return start
 
     return {
+        FLOOR: floor_saver(sum(t.numel() * t.element_size() for t in state.values())),
         IMPLS[0]: _Saver(lambda path: async_save(state, path), lambda f: f.done(), lambda f: f.wait()),
         IMPLS[1]: _Saver(lambda path: manager.save(next(steps), state), manager_done, lambda _: manager.wait(),
                          manager.close),
         IMPLS[2]: _Saver(dcp_start(AsyncCheckpointerType.THREAD), lambda f: f.done(), lambda f: f.result()),
         IMPLS[3]: _Saver(dcp_start(AsyncCheckpointerType.PROCESS), lambda f: f.done(), lambda f: f.result()),
     }
+
+
+def floor_saver(size_bytes: int) -> _Saver:
+    """The floor's writer process (``_FLOOR_WRITER``), started here and ready when this returns."""
+    proc = subprocess.Popen([sys.executable, "-c", _FLOOR_WRITER, str(size_bytes)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError("the floor writer process did not start")
+
+    def start(path):
+        proc.stdin.write(path + "\n")
+        proc.stdin.flush()
+
+    def done(_):
+        return bool(select.select([proc.stdout], [], [], 0)[0])
+
+    def finish(_):
+        if proc.stdout.readline().strip() != "done":
+            raise RuntimeError("the floor writer process failed")
+
+    def close():
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+    return _Saver(start, done, finish, close)
 
 
 def _one_save(step: Callable[[], None], saver: _Saver, path: str) -> dict:
@@ -184,11 +238,12 @@ def _run(size_bytes: int, reps: int, root: str) -> list[dict]:
 def _rows(size_bytes: int, reps: int, root: str) -> list[dict]:
     step, state = _trainer(), make_state(size_bytes)
     savers = _savers(state, root)
-    runs: dict[str, list[dict]] = {name: [] for name in IMPLS}
+    names = (*IMPLS, FLOOR)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     try:
         for rep in range(reps + 1):  # the first round is untimed: staging memory, DCP's writer process
-            for name in IMPLS[::-1] if rep % 2 else IMPLS:
-                path = os.path.join(root, f"{IMPLS.index(name)}-{rep}")
+            for name in names[::-1] if rep % 2 else names:
+                path = os.path.join(root, f"{names.index(name)}-{rep}")
                 result = _one_save(step, savers[name], path)
                 if rep:
                     runs[name].append(result)
@@ -199,12 +254,13 @@ def _rows(size_bytes: int, reps: int, root: str) -> list[dict]:
             saver.close()
     quiet = [r for rs in runs.values() for r in rs]
     rows = [row("train during save: mean step", "no save", _summary(quiet, "quiet_step_s"), kind="limit")]
-    for name in IMPLS:
+    for name in names:
         extra = {"slowdown": statistics.median(r["slowdown"] for r in runs[name]),
                  "slowdowns": [round(r["slowdown"], 3) for r in runs[name]],
                  "blocked_s": statistics.median(r["blocked_s"] for r in runs[name]),
                  "steps_in_flight": statistics.median(r["steps"] for r in runs[name])}
-        rows.append(row("train during save: mean step", name, _summary(runs[name], "step_s"), **extra))
+        rows.append(row("train during save: mean step", name, _summary(runs[name], "step_s"),
+                        **({"kind": "limit"} if name == FLOOR else {}), **extra))
     for name in IMPLS:
         rows.append(row("train during save: time lost per save", name, _summary(runs[name], "lost_s")))
     return rows
