@@ -145,13 +145,7 @@ class FileRecord:
             raise ValueError("this record has no header_checksum: verify block 0 instead")
         found = block_digest(data)
         if found != self.header_checksum:
-            directory = file_name.rsplit("/", 1)[0] if "/" in file_name else "."
-            raise ChecksumError(
-                f"{file_name}: bytes 0..{len(data)} (the file's header) do not match their checksum (expected "
-                f"{self.header_checksum}, found {found}); the file is corrupt. Run `shardkit validate "
-                f"{directory}` to list every damaged file, then restore it from a copy or load an earlier "
-                f"checkpoint."
-            )
+            raise _corrupt(file_name, 0, len(data), "the file's header", self.header_checksum, found)
 
     def verify_block(self, index: int, data, *, file_name: str, holds: Holds = None) -> None:
         """Raise :class:`ChecksumError` unless ``data`` is block ``index`` as saved."""
@@ -184,13 +178,17 @@ class FileRecord:
             start = index * self.block_bytes
             held = holds(start, start + length) if holds is not None else ""
             what = f"block {index}, {held}" if held else f"block {index}"
-            directory = file_name.rsplit("/", 1)[0] if "/" in file_name else "."
-            raise ChecksumError(
-                f"{file_name}: bytes {start}..{start + length} ({what}) do not match their checksum "
-                f"(expected {self.block_checksums[index]}, found {found}); the file is corrupt. Run `shardkit "
-                f"validate {directory}` to list every damaged file, then restore it from a copy or load an "
-                f"earlier checkpoint."
-            )
+            raise _corrupt(file_name, start, start + length, what, self.block_checksums[index], found)
+
+
+def _corrupt(file_name: str, start: int, stop: int, what: str, expected: str, found: str) -> ChecksumError:
+    """The error for bytes ``start..stop`` of ``file_name`` (``what`` they are) that hash to ``found``, not ``expected``."""
+    directory = file_name.rsplit("/", 1)[0] if "/" in file_name else "."
+    return ChecksumError(
+        f"{file_name}: bytes {start}..{stop} ({what}) do not match their checksum (expected {expected}, found "
+        f"{found}); the file is corrupt. Run `shardkit validate {directory}` to list every damaged file, then "
+        f"restore it from a copy or load an earlier checkpoint."
+    )
 
 
 class BlockHasher:
