@@ -104,10 +104,10 @@ def _absent_span(addr: int, nbytes: int) -> tuple[int, int] | None:
     present = np.empty((end - start) // PAGE_BYTES, dtype=np.uint8)
     if _mincore(start, end - start, present.ctypes.data) != 0:
         return addr, nbytes
-    absent = np.flatnonzero((present & 1) == 0)
-    if absent.size == 0:
+    absent = (present & 1) == 0
+    if not absent.any():
         return None
-    first, last = int(absent[0]), int(absent[-1])
+    first, last = int(absent.argmax()), len(absent) - 1 - int(absent[::-1].argmax())
     return start + first * PAGE_BYTES, (last + 1 - first) * PAGE_BYTES
 
 
