@@ -110,6 +110,21 @@ def test_unchanged_means_equal_bytes_not_equal_values_or_untouched(tmp_path):
     _same_bits(out, st)
 
 
+def test_conjugate_and_negative_views_are_compared_as_the_values_they_show(tmp_path):
+    # A lazy conj / neg view holds the base's raw bytes but shows other values: it must be written.
+    z = torch.randn(64, dtype=torch.complex64)
+    x = torch.randn(64)
+    ck.save({"z": z, "x": x, "zc": z.conj().resolve_conj()}, str(tmp_path / "s0"))
+    st = {"z": z.conj(), "x": torch._neg_view(x), "zc": z.conj()}   # "zc": another view, the same values
+    ck.save(st, str(tmp_path / "s1"), base=str(tmp_path / "s0"))
+    chunks = {n: t["chunks"][0] for n, t in _meta(tmp_path / "s1")["tensor_specs"].items()}
+    assert "base" not in chunks["z"] and "base" not in chunks["x"] and "base" in chunks["zc"]
+    out = {"z": torch.zeros(64, dtype=torch.complex64), "x": torch.zeros(64), "zc": torch.zeros(64, dtype=torch.complex64)}
+    ck.load(out, str(tmp_path / "s1"))
+    assert torch.equal(out["z"], z.conj().resolve_conj()) and torch.equal(out["x"], -x)
+    assert torch.equal(out["zc"], z.conj().resolve_conj())
+
+
 def test_changed_shape_or_dtype_is_written(tmp_path):
     ck.save({"w": torch.ones(4, 4), "v": torch.ones(4)}, str(tmp_path / "s0"))
     st = {"w": torch.ones(2, 8), "v": torch.ones(4, dtype=torch.int32).view(torch.float32)}

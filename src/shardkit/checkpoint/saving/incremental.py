@@ -143,7 +143,8 @@ def _same_bytes(reader: Reader, begin: int, end: int, t: torch.Tensor, record: F
     recorded one proves the bytes differ, with nothing read from the base. A digest that matches
     proves nothing: the bytes are compared all the same. On local files the first 64 KiB piece is
     cheaper than hashing a block (8 MiB), so it goes first there."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    # The bytes the writer writes (``write_safetensors``): a conjugate or negative view resolved first.
+    flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
     if flat.numel() != end - begin or end > reader.size_bytes:
         return False
     if digest_first and _block_differs(flat, begin, end, record):
