@@ -134,6 +134,17 @@ def test_broadcast_all_gather_reduce_scatter_barrier_send_recv(groups):
     assert res[1][5].tolist() == [1, 1, 1] and res[2][5].tolist() == [3, 3, 3]
 
 
+def test_all_gather_of_a_conjugate_or_negative_view_gathers_the_values_it_shows(groups):
+    def body(g):
+        z = torch.tensor([complex(g.rank, 1 + g.rank)], dtype=torch.complex64)
+        x = torch.tensor([float(g.rank + 1)])
+        return g.all_gather(z.conj()), g.all_gather(torch._neg_view(x))
+
+    for zs, xs in on_threads(groups, body):
+        assert [complex(z.item()) for z in zs] == [complex(r, -(1 + r)) for r in range(N)]
+        assert [x.item() for x in xs] == [-(r + 1.0) for r in range(N)]
+
+
 def test_split_gives_members_a_group_and_others_none(groups):
     def body(g):
         sub = g.split([2, 0])

@@ -223,7 +223,7 @@ class Collectives:
         if route == "host":
             warn_fallback("all_gather")
             src = tensor.detach().cpu()
-        flat_in = src.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat_in = src.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
         flat_out = torch.empty(flat_in.numel() * self.world_size, dtype=torch.uint8, device=src.device)
         self._call("all_gather", self._pg._allgather_base, flat_out, flat_in)
         parts = [c.view(tensor.dtype).view(tensor.shape) for c in flat_out.chunk(self.world_size)]
@@ -246,7 +246,7 @@ class Collectives:
         if route == "host":
             warn_fallback("gather")
             src = tensor.detach().cpu()
-        flat_in = src.detach().contiguous().reshape(-1).view(torch.uint8)   # any dtype: bytes are moved
+        flat_in = src.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)   # any dtype: bytes are moved
         mine = self.rank == root
         out = [torch.empty_like(flat_in) for _ in range(self.world_size)] if mine else []
         opts = dist.GatherOptions()
