@@ -1,0 +1,229 @@
+"""Prove, byte for byte, which tensors equal a range of a base file: the comparison engine of incremental saves.
+
+Given candidates (a tensor, and the reader and byte range of the base file
+said to hold the same bytes), :class:`ByteProof` answers which candidates
+are *equal*: every byte of the tensor equals the byte at the same place of
+the file. Nothing weaker counts (no hash, no version counter). It goes in
+two steps so that a writer can start early:
+
+1. :meth:`ByteProof.probe` compares the first ``FIRST_PIECE_BYTES`` of each
+   candidate (and, where ``digest_first``, first checks one whole checksum
+   block of the base against its recorded digest: a differing digest proves
+   a difference without reading the base). What differs there is
+   :meth:`~ByteProof.changed` at once; a tensor updated by training usually
+   is.
+2. :meth:`ByteProof.jobs` splits the rest of the bytes of the remaining
+   candidates into equal jobs for ``run_parallel`` (not one job per tensor:
+   a few large tensors keep every thread busy), each a run of pieces of at
+   most ``COMPARE_PIECE_BYTES``; a candidate already found different is
+   skipped. Each base file is mapped once (``Reader.map_range`` over the
+   range its candidates span) and each piece's pages are populated in one
+   system call (``MADV_POPULATE_READ``) right before libc's ``memcmp``
+   reads them; both calls release the GIL. A reader that cannot map (object
+   stores) reads each piece into a scratch buffer of the job instead.
+
+What it does not do: decide which tensor to compare with which range
+(``incremental.py``), write anything, or hash the tensors (the block digest
+of ``digest_first`` only ever proves a difference).
+
+Example::
+
+    proof = ByteProof([Candidate("w", reader, 80, 4176, w)], records=[record], digest_first=False)
+    proof.probe()
+    run_parallel(proof.jobs())
+    proof.equal()        # [0] when every byte of w equals bytes 80..4176 of the file
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from dataclasses import dataclass, field
+
+import torch
+
+from shardkit import knobs
+from shardkit.storage import FileRecord, Reader, new_block_hasher
+from shardkit.storage.fast_io.memcopy import buffer_address
+from shardkit.storage.fast_io.prefault import MADV_POPULATE_READ, advise
+
+__all__ = ["Candidate", "ByteProof", "equal_at", "COMPARE_PIECE_BYTES", "FIRST_PIECE_BYTES", "JOBS_PER_THREAD"]
+
+#: Bytes compared at a time: the unit of early exit, of a populate call and of a scratch read.
+COMPARE_PIECE_BYTES = 16 * 1024 * 1024
+#: What :meth:`ByteProof.probe` compares of each candidate: a changed tensor usually costs this, not its size.
+FIRST_PIECE_BYTES = 64 * 1024
+#: Jobs per I/O thread (``knobs.IO_THREADS``): a thread that finishes early (or had a writer's job) takes another.
+JOBS_PER_THREAD = 2
+
+
+@dataclass
+class Candidate:
+    """``tensor``'s bytes, said to be at ``[begin, end)`` of the base file open in ``reader``."""
+
+    name: str
+    reader: Reader
+    begin: int
+    end: int
+    tensor: torch.Tensor
+    record: FileRecord | None = None     # the base file's record (its block digests, for ``digest_first``)
+    flat: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self):
+        # The bytes a writer would write (``write_safetensors`` resolves conjugate and negative views too).
+        t = self.tensor.detach().resolve_conj().resolve_neg().contiguous()
+        self.flat = t.reshape(-1).view(torch.uint8)
+
+
+class _Source:
+    """Where a piece of one base file is read: a map of the range the candidates span, else ``read_into``."""
+
+    def __init__(self, reader: Reader, lo: int, hi: int):
+        self.reader, self.lo = reader, lo
+        self.view = reader.map_range(lo, hi - lo) if hi > lo else None
+        self.address = buffer_address(self.view) if self.view is not None else 0
+
+    def piece_address(self, offset: int, nbytes: int, scratch: list) -> int:
+        """The address of file bytes ``[offset, offset + nbytes)``: in the map (populated first), else read
+        into ``scratch[0]`` (a bytearray the job keeps, grown as needed)."""
+        if self.view is not None:
+            address = self.address + offset - self.lo
+            advise(address, nbytes, MADV_POPULATE_READ)   # one system call instead of a fault per few pages
+            return address
+        if scratch[0] is None or len(scratch[0]) < nbytes:
+            scratch[0] = bytearray(max(nbytes, min(COMPARE_PIECE_BYTES, 1 << 20)))
+        view = memoryview(scratch[0])[:nbytes]
+        self.reader.read_into(offset, view)
+        return buffer_address(view)
+
+    def close(self) -> None:
+        if self.view is not None:
+            self.view.release()
+            self.view, self.address = None, 0
+
+
+class ByteProof:
+    """Which of ``candidates`` hold exactly the bytes of their base range (see the module's docstring).
+
+    ``digest_first``: check one whole checksum block's recorded digest before reading the base (object
+    stores, where a read is a request). A candidate whose size differs from its range, or whose range
+    passes the end of its file, is changed from the start."""
+
+    def __init__(self, candidates: list[Candidate], *, digest_first: bool):
+        self.candidates = candidates
+        self.digest_first = digest_first
+        self._differs = [c.flat.numel() != c.end - c.begin or c.end > c.reader.size_bytes or c.begin < 0
+                         for c in candidates]
+        self._sources: dict[int, _Source] = {}
+        self._source_of = [self._source(c) if not d else None for c, d in zip(candidates, self._differs)]
+
+    def _source(self, c: Candidate) -> _Source:
+        key = id(c.reader)
+        if key not in self._sources:
+            mine = [x for x, d in zip(self.candidates, self._differs) if x.reader is c.reader and not d]
+            self._sources[key] = _Source(c.reader, min(x.begin for x in mine),
+                                         min(c.reader.size_bytes, max(x.end for x in mine)))
+        return self._sources[key]
+
+    def probe(self) -> None:
+        """Compare each candidate's first ``FIRST_PIECE_BYTES`` (after its block digest, with ``digest_first``)."""
+        scratch = [None]
+        for i, c in enumerate(self.candidates):
+            if self._differs[i]:
+                continue
+            if self.digest_first and c.record is not None and _block_differs(c):
+                self._differs[i] = True
+                continue
+            self._compare(i, 0, min(FIRST_PIECE_BYTES, c.end - c.begin), scratch)
+
+    def jobs(self, threads: int | None = None) -> list:
+        """Callables comparing every byte :meth:`probe` left, in about equal shares; run them all
+        (``run_parallel``) before asking :meth:`equal`."""
+        runs = [(i, min(FIRST_PIECE_BYTES, c.end - c.begin), c.end - c.begin)
+                for i, c in enumerate(self.candidates) if not self._differs[i]]
+        total = sum(stop - start for _, start, stop in runs)
+        count = max(1, (threads or max(1, knobs.IO_THREADS)) * JOBS_PER_THREAD)
+        share = max(FIRST_PIECE_BYTES, -(-total // count))
+        jobs, job, room = [], [], share
+        for i, start, stop in runs:
+            while start < stop:
+                n = min(stop - start, room, COMPARE_PIECE_BYTES)
+                job.append((i, start, n))
+                start, room = start + n, room - n
+                if room == 0:
+                    jobs.append(job)
+                    job, room = [], share
+        if job:
+            jobs.append(job)
+        return [lambda pieces=pieces: self._run(pieces) for pieces in jobs]
+
+    def _run(self, pieces: list[tuple[int, int, int]]) -> None:
+        scratch = [None]
+        for i, start, n in pieces:
+            if not self._differs[i]:        # another job may have found a difference already
+                self._compare(i, start, n, scratch)
+
+    def _compare(self, i: int, start: int, n: int, scratch: list) -> None:
+        if n <= 0:
+            return
+        c = self.candidates[i]
+        ours = c.flat[start:start + n]
+        if ours.device.type != "cpu":
+            ours = ours.cpu()
+        theirs = self._source_of[i].piece_address(c.begin + start, n, scratch)
+        if not equal_at(theirs, ours.data_ptr(), n):
+            self._differs[i] = True
+
+    def changed(self) -> list[int]:
+        """Indices of the candidates found different so far."""
+        return [i for i, d in enumerate(self._differs) if d]
+
+    def equal(self) -> list[int]:
+        """Indices of the candidates proven equal (call once every job has run)."""
+        return [i for i, d in enumerate(self._differs) if not d]
+
+    def close(self) -> None:
+        """Drop the maps (the readers stay open: their owner closes them)."""
+        for source in self._sources.values():
+            source.close()
+
+
+def _block_differs(c: Candidate) -> bool:
+    """Whether the first whole checksum block of the base inside ``c``'s range hashes otherwise from its bytes."""
+    record = c.record
+    block = -(-c.begin // record.block_bytes)
+    start = block * record.block_bytes
+    if start + record.block_bytes > c.end or block >= len(record.block_checksums):
+        return False
+    hasher = new_block_hasher()
+    ours = c.flat[start - c.begin:start - c.begin + record.block_bytes]
+    hasher.update(memoryview((ours.cpu() if ours.device.type != "cpu" else ours).numpy()))
+    return hasher.hexdigest() != record.block_checksums[block]
+
+
+def _load_memcmp():
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    memcmp = ctypes.CDLL(name).memcmp
+    memcmp.argtypes, memcmp.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
+    return memcmp   # a ctypes call: the GIL is released while it runs
+
+
+_MEMCMP = _load_memcmp()
+
+
+def equal_at(a: int, b: int, nbytes: int) -> bool:
+    """Whether the ``nbytes`` at addresses ``a`` and ``b`` (host memory the caller keeps alive) are equal:
+    libc's ``memcmp`` (the GIL released), else ``torch.equal`` over the same memory where libc is not found.
+
+    >>> x = torch.arange(4, dtype=torch.uint8)
+    >>> y = x.clone()
+    >>> equal_at(x.data_ptr(), y.data_ptr(), 4)
+    True
+    """
+    if _MEMCMP is not None:
+        return _MEMCMP(a, b, nbytes) == 0
+    buf_a = (ctypes.c_uint8 * nbytes).from_address(a)
+    buf_b = (ctypes.c_uint8 * nbytes).from_address(b)
+    return torch.equal(torch.frombuffer(buf_a, dtype=torch.uint8), torch.frombuffer(buf_b, dtype=torch.uint8))
