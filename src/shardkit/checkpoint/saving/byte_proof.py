@@ -80,7 +80,8 @@ class _Source:
 
     def __init__(self, reader: Reader, lo: int, hi: int):
         self.reader, self.lo = reader, lo
-        self.view = reader.map_range(lo, hi - lo) if hi > lo else None
+        # no background read-ahead: each job populates the piece it is about to compare (piece_address)
+        self.view = reader.map_range(lo, hi - lo, prefetch=False) if hi > lo else None
         self.address = buffer_address(self.view) if self.view is not None else 0
 
     def piece_address(self, offset: int, nbytes: int, scratch: list) -> int:
