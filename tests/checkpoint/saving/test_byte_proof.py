@@ -131,7 +131,7 @@ def _proof(data: bytes, tensors: dict[str, tuple[int, torch.Tensor]]) -> BytePro
                      digest_first=False)
 
 
-def test_jobs_cover_every_byte_after_the_probe_in_equal_shares(small_pieces):
+def test_pieces_cover_every_byte_after_the_probe_once_and_lanes_take_each_once(small_pieces, monkeypatch):
     sizes = [1, 1024, 1025, 50_000, 200_000, 7]
     data = bytes(range(256)) * (sum(sizes) // 256 + 1)
     tensors, begin = {}, 0
@@ -141,23 +141,45 @@ def test_jobs_cover_every_byte_after_the_probe_in_equal_shares(small_pieces):
     proof = _proof(data, tensors)
     proof.probe()
     assert proof.changed() == []
-    seen: list[tuple[int, int, int]] = []
-    jobs = proof.jobs(threads=2)
-    assert len(jobs) <= 2 * byte_proof.JOBS_PER_THREAD + 1
-    shares = []
-    for job in jobs:
-        pieces = job.__defaults__[0]
-        shares.append(sum(n for _, _, n in pieces))
-        assert all(n <= 8 * 1024 for _, _, n in pieces)
-        seen += pieces
-    assert max(shares) - min(shares[:-1] or shares) <= 8 * 1024 or len(shares) == 1
-    for i, n in enumerate(sizes):           # exactly [first piece, end) of each, once
-        covered = sorted((s, s + k) for j, s, k in seen if j == i)
-        expected_start = min(1024, n)
-        assert [covered[0][0] if covered else expected_start, covered[-1][1] if covered else n] == [expected_start, n]
+    pieces = proof.pieces()
+    assert all(n <= 8 * 1024 for _, _, n in pieces)
+    for i, n in enumerate(sizes):           # exactly [first piece, end) of each, in order, once
+        covered = [(s, s + k) for j, s, k in pieces if j == i]
+        if n <= 1024:
+            assert covered == []
+            continue
+        assert covered[0][0] == 1024 and covered[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
-    run_parallel(jobs)
+    compared = []
+    real = ByteProof._compare
+    monkeypatch.setattr(ByteProof, "_compare", lambda self, i, s, n, scratch: compared.append((i, s, n)) or
+                        real(self, i, s, n, scratch))
+    lanes = proof.jobs(lanes=3)
+    assert len(lanes) == 3
+    run_parallel(lanes)
+    assert sorted(compared) == sorted(pieces)
     assert proof.equal() == list(range(len(sizes)))
+
+
+def test_lanes_default_to_the_cpus_where_maps_are_compared(tmp_path, monkeypatch, small_pieces):
+    from shardkit import knobs
+    from shardkit.storage import LocalStorage
+
+    monkeypatch.setattr(knobs, "IO_THREADS", 8)
+    monkeypatch.setattr(byte_proof, "usable_cpus", lambda: 3)
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(1 << 20))
+    with LocalStorage().open_reader(str(path)) as reader:
+        proof = ByteProof([Candidate("z", reader, 0, 1 << 20, torch.zeros(1 << 20, dtype=torch.uint8))],
+                          digest_first=False)
+        proof.probe()
+        assert len(proof.jobs()) == 3
+        run_parallel(proof.jobs())
+        assert proof.equal() == [0]
+        proof.close()
+    read = _proof(bytes(1 << 20), {"z": (0, torch.zeros(1 << 20, dtype=torch.uint8))})
+    read.probe()
+    assert len(read.jobs()) == 8            # read, not mapped: a lane per I/O thread
 
 
 def test_reads_where_no_map_is_offered_and_out_of_range_candidates_differ(small_pieces):
@@ -169,6 +191,6 @@ def test_reads_where_no_map_is_offered_and_out_of_range_candidates_differ(small_
     proof = _proof(bytes(data), {"same": (0, same), "late": (40_000, late), "past": (90_000, past)})
     proof.probe()
     assert proof.changed() == [2]          # past the end of the file: different without a read
-    run_parallel(proof.jobs(threads=3))
+    run_parallel(proof.jobs(lanes=3))
     assert proof.equal() == [0] and proof.changed() == [1, 2]
     proof.close()

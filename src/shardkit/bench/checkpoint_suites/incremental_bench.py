@@ -12,8 +12,8 @@ each). Three rows, each fsync'd, interleaved with its full-save peer:
   (not an implementation, ``kind="limit"``): the least any byte-for-byte
   proof must do here, timed the same way: one ``memcmp`` pass of the 61
   unchanged tensors against a fresh map of the (cached) base file, split
-  over the CPUs, while another thread writes the 3 changed tensors' bytes
-  to a file and fsyncs it. Its note gives it, and shardkit's cached-base
+  over the CPUs, while another thread writes the 3 changed tensors to a
+  file with shardkit's writer (``O_DIRECT``, checksums, fsync). Its note gives it, and shardkit's cached-base
   row, as a fraction of the full save's median.
 - **everything changed**: every tensor differs; the incremental save gives
   up on each after its first 64 KiB and writes everything.
@@ -40,7 +40,7 @@ import shardkit.checkpoint as ck
 from shardkit.bench.common import evict_files, row, time_interleaved, warm_files
 from shardkit.checkpoint.format.manifest import read_manifest
 from shardkit.checkpoint.saving.byte_proof import equal_at
-from shardkit.storage import read_header, storage_for
+from shardkit.storage import read_header, storage_for, write_safetensors
 from shardkit.storage.fast_io.memcopy import buffer_address
 
 __all__ = ["run_incremental_benchmarks", "TENSORS", "CHANGED", "FLOOR"]
@@ -63,7 +63,7 @@ def _nbytes(state) -> int:
 
 def _written_bytes(directory: str) -> int:
     return sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)
-               if n.endswith((".safetensors", ".bin")))
+               if n.endswith(".safetensors"))
 
 
 def _fresh(path: str) -> None:
@@ -92,14 +92,8 @@ def floor_run(state, changed: list[str], base_file: str, begins: dict[str, int],
     def compare(share):
         failed.extend(1 for a, b, n in share if not equal_at(a, b, n))
 
-    def write():
-        fd = os.open(out_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for n in changed:
-                os.write(fd, memoryview(state[n].numpy()).cast("B"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    def write():   # the fastest durable write here: shardkit's own (O_DIRECT, block checksums, fsync)
+        write_safetensors(storage_for(out_file)[0], out_file, [(n, state[n]) for n in changed])
 
     workers = [threading.Thread(target=write)]
     workers += [threading.Thread(target=compare, args=(s,)) for s in _shares(pieces, threads)]
@@ -150,7 +144,7 @@ def bench_changed(state, workdir: str, reps: int, changed: list[str], case: str,
     if floor:
         base_file = os.path.join(base, "rank_0.safetensors")
         begins = _begins(base_file)
-        impls[FLOOR] = lambda: floor_run(state, changed, base_file, begins, os.path.join(out, "floor.bin"),
+        impls[FLOOR] = lambda: floor_run(state, changed, base_file, begins, os.path.join(out, "floor.safetensors"),
                                          os.cpu_count() or 1)
 
     def setup(name):

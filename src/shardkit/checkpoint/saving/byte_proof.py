@@ -12,15 +12,19 @@ two steps so that a writer can start early:
    a difference without reading the base). What differs there is
    :meth:`~ByteProof.changed` at once; a tensor updated by training usually
    is.
-2. :meth:`ByteProof.jobs` splits the rest of the bytes of the remaining
-   candidates into equal jobs for ``run_parallel`` (not one job per tensor:
-   a few large tensors keep every thread busy), each a run of pieces of at
-   most ``COMPARE_PIECE_BYTES``; a candidate already found different is
-   skipped. Each base file is mapped once (``Reader.map_range`` over the
-   range its candidates span) and each piece's pages are populated in one
-   system call (``MADV_POPULATE_READ``) right before libc's ``memcmp``
-   reads them; both calls release the GIL. A reader that cannot map (object
-   stores) reads each piece into a scratch buffer of the job instead.
+2. :meth:`ByteProof.jobs` cuts the rest of the bytes of the remaining
+   candidates into pieces of at most ``COMPARE_PIECE_BYTES`` and returns a
+   few *lanes* for ``run_parallel``, each taking the next piece left from
+   one shared queue (not one job per tensor: a few large tensors keep every
+   lane busy, and a lane slowed down by another process takes fewer
+   pieces); a candidate already found different is skipped. Each base file
+   is mapped once (``Reader.map_range`` over the range its candidates span,
+   no background read-ahead) and compared with libc's ``memcmp``, which
+   releases the GIL; the pages fault in as it reads them (populating each
+   piece first with ``MADV_POPULATE_READ``, or the map's background
+   read-ahead, measured no faster on the 2-core VM, cached or not). A reader
+   that cannot map (object stores) reads each piece into a scratch buffer of
+   its lane instead.
 
 What it does not do: decide which tensor to compare with which range
 (``incremental.py``), write anything, or hash the tensors (the block digest
@@ -38,6 +42,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import itertools
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -45,16 +51,13 @@ import torch
 from shardkit import knobs
 from shardkit.storage import FileRecord, Reader, new_block_hasher
 from shardkit.storage.fast_io.memcopy import buffer_address
-from shardkit.storage.fast_io.prefault import MADV_POPULATE_READ, advise
 
-__all__ = ["Candidate", "ByteProof", "equal_at", "COMPARE_PIECE_BYTES", "FIRST_PIECE_BYTES", "JOBS_PER_THREAD"]
+__all__ = ["Candidate", "ByteProof", "equal_at", "usable_cpus", "COMPARE_PIECE_BYTES", "FIRST_PIECE_BYTES"]
 
 #: Bytes compared at a time: the unit of early exit, of a populate call and of a scratch read.
 COMPARE_PIECE_BYTES = 16 * 1024 * 1024
 #: What :meth:`ByteProof.probe` compares of each candidate: a changed tensor usually costs this, not its size.
 FIRST_PIECE_BYTES = 64 * 1024
-#: Jobs per I/O thread (``knobs.IO_THREADS``): a thread that finishes early (or had a writer's job) takes another.
-JOBS_PER_THREAD = 2
 
 
 @dataclass
@@ -80,17 +83,15 @@ class _Source:
 
     def __init__(self, reader: Reader, lo: int, hi: int):
         self.reader, self.lo = reader, lo
-        # no background read-ahead: each job populates the piece it is about to compare (piece_address)
+        # no background read-ahead: a thread beside the lanes, measured no faster
         self.view = reader.map_range(lo, hi - lo, prefetch=False) if hi > lo else None
         self.address = buffer_address(self.view) if self.view is not None else 0
 
     def piece_address(self, offset: int, nbytes: int, scratch: list) -> int:
-        """The address of file bytes ``[offset, offset + nbytes)``: in the map (populated first), else read
+        """The address of file bytes ``[offset, offset + nbytes)``: in the map, else read
         into ``scratch[0]`` (a bytearray the job keeps, grown as needed)."""
         if self.view is not None:
-            address = self.address + offset - self.lo
-            advise(address, nbytes, MADV_POPULATE_READ)   # one system call instead of a fault per few pages
-            return address
+            return self.address + offset - self.lo
         if scratch[0] is None or len(scratch[0]) < nbytes:
             scratch[0] = bytearray(max(nbytes, min(COMPARE_PIECE_BYTES, 1 << 20)))
         view = memoryview(scratch[0])[:nbytes]
@@ -137,31 +138,40 @@ class ByteProof:
                 continue
             self._compare(i, 0, min(FIRST_PIECE_BYTES, c.end - c.begin), scratch)
 
-    def jobs(self, threads: int | None = None) -> list:
-        """Callables comparing every byte :meth:`probe` left, in about equal shares; run them all
-        (``run_parallel``) before asking :meth:`equal`."""
-        runs = [(i, min(FIRST_PIECE_BYTES, c.end - c.begin), c.end - c.begin)
-                for i, c in enumerate(self.candidates) if not self._differs[i]]
-        total = sum(stop - start for _, start, stop in runs)
-        count = max(1, (threads or max(1, knobs.IO_THREADS)) * JOBS_PER_THREAD)
-        share = max(FIRST_PIECE_BYTES, -(-total // count))
-        jobs, job, room = [], [], share
-        for i, start, stop in runs:
-            while start < stop:
-                n = min(stop - start, room, COMPARE_PIECE_BYTES)
-                job.append((i, start, n))
-                start, room = start + n, room - n
-                if room == 0:
-                    jobs.append(job)
-                    job, room = [], share
-        if job:
-            jobs.append(job)
-        return [lambda pieces=pieces: self._run(pieces) for pieces in jobs]
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """``(candidate index, start, bytes)`` of every piece :meth:`probe` left, in candidate order,
+        each at most ``COMPARE_PIECE_BYTES``: together exactly ``[first piece, end)`` of each candidate."""
+        out = []
+        for i, c in enumerate(self.candidates):
+            if self._differs[i]:
+                continue
+            size = c.end - c.begin
+            out += [(i, start, min(COMPARE_PIECE_BYTES, size - start))
+                    for start in range(min(FIRST_PIECE_BYTES, size), size, COMPARE_PIECE_BYTES)]
+        return out
 
-    def _run(self, pieces: list[tuple[int, int, int]]) -> None:
+    def jobs(self, lanes: int | None = None) -> list:
+        """``lanes`` callables that take the :meth:`pieces` from one shared queue, each the next one
+        left, until none is: a lane slowed down (another process on its core) takes fewer pieces,
+        and a difference found skips the rest of its candidate. Run them all (``run_parallel``)
+        before asking :meth:`equal`. Default lanes: one per CPU this process may run on (the
+        compare is bound by memory bandwidth; more lanes only take CPU from a writer beside them),
+        at most ``knobs.IO_THREADS``; where a base file is read, not mapped (object stores: a piece
+        is a request), ``knobs.IO_THREADS``."""
+        pieces = self.pieces()
+        if lanes is None:
+            reads = any(s.view is None for s in self._sources.values())
+            lanes = max(1, knobs.IO_THREADS) if reads else min(max(1, knobs.IO_THREADS), usable_cpus())
+        taken = itertools.count()         # next() on a count is atomic under the GIL: each piece is taken once
+        return [lambda: self._lane(pieces, taken) for _ in range(max(1, min(lanes, len(pieces))))]
+
+    def _lane(self, pieces: list[tuple[int, int, int]], taken) -> None:
         scratch = [None]
-        for i, start, n in pieces:
-            if not self._differs[i]:        # another job may have found a difference already
+        for k in taken:
+            if k >= len(pieces):
+                return
+            i, start, n = pieces[k]
+            if not self._differs[i]:        # another lane may have found a difference already
                 self._compare(i, start, n, scratch)
 
     def _compare(self, i: int, start: int, n: int, scratch: list) -> None:
@@ -200,6 +210,14 @@ def _block_differs(c: Candidate) -> bool:
     ours = c.flat[start - c.begin:start - c.begin + record.block_bytes]
     hasher.update(memoryview((ours.cpu() if ours.device.type != "cpu" else ours).numpy()))
     return hasher.hexdigest() != record.block_checksums[block]
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may run on (its affinity where the platform says, else ``os.cpu_count()``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def _load_memcmp():
