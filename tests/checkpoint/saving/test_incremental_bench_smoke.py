@@ -19,7 +19,7 @@ def test_incremental_suite_runs_and_writes_only_the_changed_bytes(tmp_path):
     assert inc["bytes_written"] <= 1.1 * inc["changed_bytes"]          # the 1.1x target, in bytes
     assert by[(few, "full save (no base)")]["bytes_written"] >= 4 << 20
     floor = by[(few, FLOOR)]                                           # interleaved beside them, named a floor
-    assert floor["kind"] == "limit" and floor["bytes_written"] == inc["changed_bytes"]
+    assert floor["kind"] == "limit" and inc["changed_bytes"] <= floor["bytes_written"] <= 1.1 * inc["changed_bytes"]
     assert "not an implementation" in floor["note"] and (every, FLOOR) not in by
     assert by[(every, "shardkit")]["bytes_written"] == by[(every, "full save (no base)")]["bytes_written"]
     assert by[(same, "shardkit")]["note"] == "references 1 earlier steps"
