@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 import torch
 
 from shardkit import knobs
-from shardkit.storage import FileRecord, Reader, new_block_hasher
+from shardkit.storage import FileRecord, Reader, new_block_hasher, run_parallel
 from shardkit.storage.fast_io.memcopy import buffer_address
 
 __all__ = ["Candidate", "ByteProof", "equal_at", "usable_cpus", "COMPARE_PIECE_BYTES", "FIRST_PIECE_BYTES"]
 
-#: Bytes compared at a time: the unit of early exit, of a populate call and of a scratch read.
+#: Bytes compared at a time: the unit of early exit, of a lane's turn and of a scratch read.
 COMPARE_PIECE_BYTES = 16 * 1024 * 1024
 #: What :meth:`ByteProof.probe` compares of each candidate: a changed tensor usually costs this, not its size.
 FIRST_PIECE_BYTES = 64 * 1024
@@ -116,27 +116,35 @@ class ByteProof:
         self.digest_first = digest_first
         self._differs = [c.flat.numel() != c.end - c.begin or c.end > c.reader.size_bytes or c.begin < 0
                          for c in candidates]
-        self._sources: dict[int, _Source] = {}
-        self._source_of = [self._source(c) if not d else None for c, d in zip(candidates, self._differs)]
-
-    def _source(self, c: Candidate) -> _Source:
-        key = id(c.reader)
-        if key not in self._sources:
-            mine = [x for x, d in zip(self.candidates, self._differs) if x.reader is c.reader and not d]
-            self._sources[key] = _Source(c.reader, min(x.begin for x in mine),
-                                         min(c.reader.size_bytes, max(x.end for x in mine)))
-        return self._sources[key]
+        spans: dict[int, list] = {}       # per reader: [reader, lowest begin, highest end] of its candidates
+        for c, d in zip(candidates, self._differs):
+            if not d:
+                span = spans.setdefault(id(c.reader), [c.reader, c.begin, c.end])
+                span[1], span[2] = min(span[1], c.begin), max(span[2], c.end)
+        self._sources = {key: _Source(*span) for key, span in spans.items()}
+        self._source_of = [None if d else self._sources[id(c.reader)] for c, d in zip(candidates, self._differs)]
+        #: a base file is read, not mapped (object stores): a piece is a request, so lanes are I/O threads
+        self.reads = any(source.view is None for source in self._sources.values())
 
     def probe(self) -> None:
-        """Compare each candidate's first ``FIRST_PIECE_BYTES`` (after its block digest, with ``digest_first``)."""
+        """Compare each candidate's first ``FIRST_PIECE_BYTES`` (after its block digest, with ``digest_first``):
+        inline where the base files are mapped, on the I/O threads where they are read."""
+        todo = [i for i, d in enumerate(self._differs) if not d]
+        taken = itertools.count()
+        lanes = min(len(todo), max(1, knobs.IO_THREADS)) if self.reads else 1
+        run_parallel([lambda: self._probe_lane(todo, taken) for _ in range(lanes)])
+
+    def _probe_lane(self, todo: list[int], taken) -> None:
         scratch = [None]
-        for i, c in enumerate(self.candidates):
-            if self._differs[i]:
-                continue
+        for k in taken:
+            if k >= len(todo):
+                return
+            i = todo[k]
+            c = self.candidates[i]
             if self.digest_first and c.record is not None and _block_differs(c):
                 self._differs[i] = True
-                continue
-            self._compare(i, 0, min(FIRST_PIECE_BYTES, c.end - c.begin), scratch)
+            else:
+                self._compare(i, 0, min(FIRST_PIECE_BYTES, c.end - c.begin), scratch)
 
     def pieces(self) -> list[tuple[int, int, int]]:
         """``(candidate index, start, bytes)`` of every piece :meth:`probe` left, in candidate order,
@@ -160,8 +168,7 @@ class ByteProof:
         is a request), ``knobs.IO_THREADS``."""
         pieces = self.pieces()
         if lanes is None:
-            reads = any(s.view is None for s in self._sources.values())
-            lanes = max(1, knobs.IO_THREADS) if reads else min(max(1, knobs.IO_THREADS), usable_cpus())
+            lanes = max(1, knobs.IO_THREADS) if self.reads else min(max(1, knobs.IO_THREADS), usable_cpus())
         taken = itertools.count()         # next() on a count is atomic under the GIL: each piece is taken once
         return [lambda: self._lane(pieces, taken) for _ in range(max(1, min(lanes, len(pieces))))]
 
