@@ -32,7 +32,7 @@ of ``digest_first`` only ever proves a difference).
 
 Example::
 
-    proof = ByteProof([Candidate("w", reader, 80, 4176, w)], records=[record], digest_first=False)
+    proof = ByteProof([Candidate("w", reader, 80, 4176, w, record)], digest_first=False)
     proof.probe()
     run_parallel(proof.jobs())
     proof.equal()        # [0] when every byte of w equals bytes 80..4176 of the file
