@@ -40,8 +40,8 @@ class _CountingReader(Reader):
         self._counted.add(os.fspath(self.name), offset, out.nbytes)
         self._inner.read_into(offset, out)
 
-    def map_range(self, offset: int, nbytes: int):
-        return self._inner.map_range(offset, nbytes)
+    def map_range(self, offset: int, nbytes: int, *, prefetch: bool = True):
+        return self._inner.map_range(offset, nbytes, prefetch=prefetch)
 
     def close(self) -> None:
         self._inner.close()

@@ -106,3 +106,15 @@ def test_new_directories_are_synced_into_their_parents(tmp_path, monkeypatch):
     assert synced == []  # nothing new: nothing to sync
     with local_writer_lock(str(tmp_path / "run" / "step-2")):  # a save's lock makes its directory first
         assert synced == ["run"]
+
+
+def test_a_map_without_prefetch_queues_no_read_ahead(tmp_path, monkeypatch):
+    import shardkit.storage.backends.local as local
+
+    queued = []
+    monkeypatch.setattr(local, "prefetch_mapped", lambda mapping, ranges: queued.append(ranges) or 0)
+    path, data = _file(tmp_path, 200_000)
+    with LocalStorage().open_reader(path) as r:
+        quiet = r.map_range(5000, 100_000, prefetch=False)
+        assert bytes(quiet) == data[5000:105_000] and queued == []
+        assert bytes(r.map_range(7, 10)) == data[7:17] and queued == [[(7, 10)]]

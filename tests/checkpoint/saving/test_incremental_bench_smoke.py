@@ -5,7 +5,7 @@ No time is asserted (speed lives in ``shardkit bench``); the bytes each save wro
 
 from __future__ import annotations
 
-from shardkit.bench.checkpoint_suites.incremental_bench import CHANGED, TENSORS, run_incremental_benchmarks
+from shardkit.bench.checkpoint_suites.incremental_bench import CHANGED, FLOOR, TENSORS, run_incremental_benchmarks
 
 
 def test_incremental_suite_runs_and_writes_only_the_changed_bytes(tmp_path):
@@ -18,6 +18,9 @@ def test_incremental_suite_runs_and_writes_only_the_changed_bytes(tmp_path):
     assert inc["changed_bytes"] == (4 << 20) // TENSORS * CHANGED
     assert inc["bytes_written"] <= 1.1 * inc["changed_bytes"]          # the 1.1x target, in bytes
     assert by[(few, "full save (no base)")]["bytes_written"] >= 4 << 20
+    floor = by[(few, FLOOR)]                                           # interleaved beside them, named a floor
+    assert floor["kind"] == "limit" and inc["changed_bytes"] <= floor["bytes_written"] <= 1.1 * inc["changed_bytes"]
+    assert "not an implementation" in floor["note"] and (every, FLOOR) not in by
     assert by[(every, "shardkit")]["bytes_written"] == by[(every, "full save (no base)")]["bytes_written"]
     assert by[(same, "shardkit")]["note"] == "references 1 earlier steps"
     assert by[(scattered, "shardkit")]["note"] == "references 20 earlier steps"

@@ -8,7 +8,13 @@ each). Three rows, each fsync'd, interleaved with its full-save peer:
   byte) and writes 3. Two bases: one read back into the page cache before each
   run ("base cached": what a base that was read or written buffered has),
   and one evicted before each run ("base on disk": what a base written with
-  ``O_DIRECT`` has, shardkit's own saves included).
+  ``O_DIRECT`` has, shardkit's own saves included). Beside them a **floor**
+  (not an implementation, ``kind="limit"``): the least any byte-for-byte
+  proof must do here, timed the same way: one ``memcmp`` pass of the 61
+  unchanged tensors against a fresh map of the (cached) base file, split
+  over the CPUs, while another thread writes the 3 changed tensors to a
+  file with shardkit's writer (``O_DIRECT``, checksums, fsync). Its note gives it, and shardkit's cached-base
+  row, as a fraction of the full save's median.
 - **everything changed**: every tensor differs; the incremental save gives
   up on each after its first 64 KiB and writes everything.
 - **load the 20th step of a chain** (``checkpoint.load`` in place, warm
@@ -23,21 +29,26 @@ in one huge tensor (a chunk is written whole or referenced whole).
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
+import threading
 
 import torch
 
 import shardkit.checkpoint as ck
 from shardkit.bench.common import evict_files, row, time_interleaved, warm_files
 from shardkit.checkpoint.format.manifest import read_manifest
-from shardkit.storage import storage_for
+from shardkit.checkpoint.saving.byte_proof import equal_at
+from shardkit.storage import read_header, storage_for, write_safetensors
+from shardkit.storage.fast_io.memcopy import buffer_address
 
-__all__ = ["run_incremental_benchmarks", "TENSORS", "CHANGED"]
+__all__ = ["run_incremental_benchmarks", "TENSORS", "CHANGED", "FLOOR"]
 
 TENSORS = 64
 CHANGED = 3
 CHAIN_STEPS = 20
+FLOOR = "floor: memcmp unchanged || write+fsync changed"
 
 
 def _state(size_bytes: int) -> dict[str, torch.Tensor]:
@@ -65,8 +76,61 @@ def _bump(state, names) -> None:
         state[n].add_(1.0)
 
 
-def bench_changed(state, workdir: str, reps: int, changed: list[str], case: str) -> list[dict]:
-    """A full save against incremental saves of the same state, ``changed`` differing from the base."""
+def floor_run(state, changed: list[str], base_file: str, begins: dict[str, int], out_file: str,
+              threads: int) -> None:
+    """The least a byte-for-byte proof must do (no implementation): ``memcmp`` every unchanged tensor
+    against a fresh map of ``base_file`` (where ``begins[name]``, read from its header beforehand, says)
+    on ``threads`` threads in even shares, while one more thread writes the ``changed`` tensors' bytes
+    to ``out_file`` and fsyncs it. Raises if a compare differs."""
+    with open(base_file, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    address = buffer_address(mapping)
+    pieces = [(address + begins[n], t.data_ptr(), t.numel() * t.element_size())
+              for n, t in state.items() if n not in changed]
+    failed: list[int] = []
+
+    def compare(share):
+        failed.extend(1 for a, b, n in share if not equal_at(a, b, n))
+
+    def write():   # the fastest durable write here: shardkit's own (O_DIRECT, block checksums, fsync)
+        write_safetensors(storage_for(out_file)[0], out_file, [(n, state[n]) for n in changed])
+
+    workers = [threading.Thread(target=write)]
+    workers += [threading.Thread(target=compare, args=(s,)) for s in _shares(pieces, threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    mapping.close()
+    if failed:
+        raise AssertionError("the floor's compare found a difference in a tensor the base holds unchanged")
+
+
+def _begins(path: str) -> dict[str, int]:
+    """Where each tensor's bytes begin in the safetensors file ``path`` (its header)."""
+    with storage_for(path)[0].open_reader(path) as reader:
+        return {n: e.begin for n, e in read_header(reader).tensors.items()}
+
+
+def _shares(pieces: list[tuple[int, int, int]], threads: int) -> list[list[tuple[int, int, int]]]:
+    """``pieces`` (address, address, bytes) cut into ``threads`` runs of about equal bytes."""
+    share = -(-sum(n for _, _, n in pieces) // max(1, threads))
+    out: list[list] = [[]]
+    room = share
+    for a, b, n in pieces:
+        while n > 0:
+            k = min(n, room)
+            out[-1].append((a, b, k))
+            a, b, n, room = a + k, b + k, n - k, room - k
+            if room == 0:
+                out.append([])
+                room = share
+    return [s for s in out if s]
+
+
+def bench_changed(state, workdir: str, reps: int, changed: list[str], case: str, *, floor: bool = False) -> list[dict]:
+    """A full save against incremental saves of the same state, ``changed`` differing from the base
+    (``floor``: and :func:`floor_run`, interleaved with them)."""
     base = os.path.join(workdir, "inc-base")
     _fresh(base)
     ck.save(state, base)
@@ -77,13 +141,20 @@ def bench_changed(state, workdir: str, reps: int, changed: list[str], case: str)
         "shardkit, base on disk (evicted)": lambda: ck.save(state, out, base=base),
         "full save (no base)": lambda: ck.save(state, out),
     }
+    if floor:
+        base_file = os.path.join(base, "rank_0.safetensors")
+        begins = _begins(base_file)
+        impls[FLOOR] = lambda: floor_run(state, changed, base_file, begins, os.path.join(out, "floor.safetensors"),
+                                         os.cpu_count() or 1)
 
     def setup(name):
         _fresh(out)
+        if name == FLOOR:
+            os.makedirs(out)
         _bump(state, changed)            # differ from the base (and from the last run)
         if name == "shardkit, base on disk (evicted)":
             evict_files(base)
-        elif name == "shardkit":
+        elif name in ("shardkit", FLOOR):
             warm_files(base)
 
     timings = time_interleaved(impls, reps, setup)
@@ -95,9 +166,14 @@ def bench_changed(state, workdir: str, reps: int, changed: list[str], case: str)
     _fresh(out)
     _fresh(base)
     nbytes = _nbytes(state)
-    return [row(case, name, timing, bytes=nbytes, bytes_written=written[name], changed_bytes=changed_bytes,
-                note=f"wrote {written[name] / 2**20:.1f} MiB = {written[name] / max(1, changed_bytes):.3f}x "
-                     f"the {changed_bytes / 2**20:.1f} MiB changed")
+    full_s = timings["full save (no base)"]["median_s"]
+    notes = {name: f"wrote {written[name] / 2**20:.1f} MiB = {written[name] / max(1, changed_bytes):.3f}x "
+                   f"the {changed_bytes / 2**20:.1f} MiB changed" for name in timings}
+    if floor:
+        notes[FLOOR] = (f"not an implementation: the floor is {timings[FLOOR]['median_s'] / full_s:.3f}x the "
+                        f"full save's median, shardkit (base cached) {timings['shardkit']['median_s'] / full_s:.3f}x")
+    return [row(case, name, timing, kind="limit" if name == FLOOR else "peer", bytes=nbytes,
+                bytes_written=written[name], changed_bytes=changed_bytes, note=notes[name])
             for name, timing in timings.items()]
 
 
@@ -138,7 +214,7 @@ def run_incremental_benchmarks(size_bytes: int, reps: int, workdir: str) -> list
     state = _state(size_bytes)
     names = sorted(state)
     rows = bench_changed(state, workdir, reps, names[:CHANGED],
-                         f"save, {100 * CHANGED / TENSORS:.1f}% changed, fsync'd")
+                         f"save, {100 * CHANGED / TENSORS:.1f}% changed, fsync'd", floor=True)
     rows += bench_changed(state, workdir, reps, names, "save, everything changed, fsync'd")
     rows += bench_chain_load(state, workdir, reps, scattered=False)
     rows += bench_chain_load(state, workdir, reps, scattered=True)

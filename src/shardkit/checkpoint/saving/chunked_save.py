@@ -63,7 +63,7 @@ from shardkit.checkpoint.planning.compact_layout import Description, describe, o
 from shardkit.checkpoint.planning.dtensor_layout import local_box
 from shardkit.checkpoint.coordination.agreement import agree, attempt, describe as describe_error
 from shardkit.checkpoint.coordination.group import SLOT_BYTES, exchange
-from shardkit.checkpoint.saving.incremental import read_base, unchanged_chunks, used_bases
+from shardkit.checkpoint.saving.incremental import read_base, used_bases, write_changed
 from shardkit.checkpoint.format.manifest import (
     COMPACT_VERSION, METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_name,
     write_json,
@@ -249,13 +249,13 @@ def write_data_file(storage: Storage, directory: str, rank: int, world_size: int
 
 def _write_file(storage: Storage, directory: str, prep: Prepared) -> dict:
     """Write this rank's file; with a base, only the chunks whose bytes differ from the base's (the
-    others are reported as ``refs``: ``name -> [file key, begin, end]``, for the commit)."""
+    others are reported as ``refs``: ``name -> [file key, begin, end]``, for the commit). The file
+    may be published twice (``incremental.write_changed``); the commit checks the last one."""
     if prep.base_dir is None:
         return write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()))
     prep.base_view = view = read_base(storage, directory, prep.base_dir)
-    refs = unchanged_chunks(storage, directory, view, prep.boxes, prep.to_write)
-    named = [(n, t) for n, t in prep.to_write.items() if n not in refs]
-    written = write_data_file(storage, directory, prep.rank, prep.world_size, named)
+    written, refs = write_changed(storage, directory, view, prep.boxes, prep.to_write,
+                                  lambda named: write_data_file(storage, directory, prep.rank, prep.world_size, named))
     return {**written, "refs": refs, "base": view.save_id}
 
 

@@ -1,32 +1,32 @@
-"""Incremental saves: read the base checkpoint, and prove which chunks are unchanged since it.
+"""Incremental saves: read the base checkpoint, prove which chunks are unchanged since it, write the rest.
 
 A chunk this rank writes is *unchanged* when the base stores a chunk of the
 same tensor with the same box, dtype and full shape, and the bytes the base
 file holds there are equal, byte for byte, to the bytes about to be written
-(compared through a map of the file, a piece at a time, stopping at the first
-difference). Nothing weaker counts: no hash, no version counter, no
-``requires_grad`` flag. An unchanged chunk is then referenced, not written:
+(``byte_proof.py``: libc ``memcmp`` against one map of each base file, split
+evenly over the I/O threads, stopping at the first difference). Nothing
+weaker counts: no hash, no version counter, no ``requires_grad`` flag. An unchanged chunk is then referenced, not written:
 its entry names the file that really holds the bytes (the base's own file,
 or, the chain flattened, the file the base itself references), with that
 file's record (size, block checksums) copied, so loads verify it as any
 other. What it does not do: split a changed chunk into bands (a chunk is
-written whole or referenced whole), write files, or decide which base (the
-caller names it; ``CheckpointManager(incremental=True)`` takes its newest
-complete step).
+written whole or referenced whole), choose the file's layout (the caller's
+``write`` does), or decide which base (the caller names it;
+``CheckpointManager(incremental=True)`` takes its newest complete step).
 
 Example::
 
     view = read_base(store, "/ckpt/step-20", "/ckpt/step-10")
-    refs = unchanged_chunks(store, "/ckpt/step-20", view, {"w": (full_shape, box)}, {"w": w})
-    # {"w": ["step-0/rank_0.safetensors", 80, 4176]} where w's bytes equal step 0's
+    written, refs = write_changed(store, "/ckpt/step-20", view, {"w": (full_shape, box)}, {"w": w},
+                                  write=lambda named: write_data_file(store, "/ckpt/step-20", 0, 1, named))
+    # refs == {"w": ["step-0/rank_0.safetensors", 80, 4176]} where w's bytes equal step 0's
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -34,18 +34,13 @@ from shardkit import knobs
 from shardkit.checkpoint.format.manifest import METADATA_FILE, Manifest, file_records, parse_manifest
 from shardkit.checkpoint.format.compact_manifest import GridChunks
 from shardkit.checkpoint.format.references import Base, base_key, data_path, metadata_save_id, parent_dir, split_key
+from shardkit.checkpoint.saving.byte_proof import ByteProof, Candidate
 from shardkit.dtypes import to_safetensors_name
 from shardkit.errors import MetadataError, MissingShardError
 from shardkit.layout import Box
-from shardkit.storage import FileRecord, Reader, Storage, new_block_hasher, read_header, run_parallel, storage_for
+from shardkit.storage import FileRecord, Reader, Storage, read_header, run_parallel, storage_for
 
-__all__ = ["BaseView", "read_base", "check_sibling", "unchanged_chunks", "used_bases", "base_directory",
-           "COMPARE_PIECE_BYTES"]
-
-#: Bytes compared at a time (the first piece of a chunk is ``FIRST_PIECE_BYTES``): a changed chunk
-#: usually costs one small read of the base, not the whole chunk.
-COMPARE_PIECE_BYTES = 16 * 1024 * 1024
-FIRST_PIECE_BYTES = 64 * 1024
+__all__ = ["BaseView", "read_base", "check_sibling", "write_changed", "used_bases", "base_directory"]
 
 
 @dataclass
@@ -134,117 +129,70 @@ def _header_range(reader: Reader, headers: dict, key: str, name: str, box: Box, 
     return entry.begin, entry.end
 
 
-def _same_bytes(reader: Reader, begin: int, end: int, t: torch.Tensor, record: FileRecord,
-                digest_first: bool) -> bool:
-    """Whether file bytes ``[begin, end)`` equal ``t``'s bytes; stops at the first piece that differs.
+def write_changed(storage: Storage, directory: str, view: BaseView, boxes: dict[str, tuple[tuple[int, ...], Box]],
+                  to_write: dict, write: Callable[[list], dict]) -> tuple[dict, dict[str, list]]:
+    """Write the tensors of ``to_write`` whose bytes are not proven equal to the base's, with ``write``
+    (``named -> result``, publishing one file atomically); return ``(write's result, refs)``, ``refs``
+    being ``name -> [file key, begin, end]`` for each tensor referenced instead (box ``boxes[name]``).
 
-    ``digest_first`` (object stores, where each read is a request): a checksum block of the base
-    that lies wholly inside the range is hashed from ``t`` first; a digest that differs from the
-    recorded one proves the bytes differ, with nothing read from the base. A digest that matches
-    proves nothing: the bytes are compared all the same. On local files the first 64 KiB piece is
-    cheaper than hashing a block (8 MiB), so it goes first there."""
-    # The bytes the writer writes (``write_safetensors``): a conjugate or negative view resolved first.
-    flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-    if flat.numel() != end - begin or end > reader.size_bytes:
-        return False
-    if digest_first and _block_differs(flat, begin, end, record):
-        return False
-    scratch = None
-    for start, n in _pieces(end - begin):
-        view = reader.map_range(begin + start, n)
-        if view is None:
-            if scratch is None:
-                scratch = bytearray(min(COMPARE_PIECE_BYTES, end - begin))
-            view = memoryview(scratch)[:n]
-            reader.read_into(begin + start, view)
-        stored = torch.frombuffer(view, dtype=torch.uint8, count=n)
-        if not _equal_bytes(stored, flat[start:start + n].cpu()):
-            return False
-    return True
-
-
-def _block_differs(flat: torch.Tensor, begin: int, end: int, record: FileRecord) -> bool:
-    """Whether the first whole checksum block of the base inside ``[begin, end)`` hashes otherwise from ``flat``."""
-    block = -(-begin // record.block_bytes)
-    start = block * record.block_bytes
-    if start + record.block_bytes > end or block >= len(record.block_checksums):
-        return False
-    hasher = new_block_hasher()
-    hasher.update(memoryview(flat[start - begin:start - begin + record.block_bytes].cpu().numpy()))
-    return hasher.hexdigest() != record.block_checksums[block]
-
-
-def _pieces(nbytes: int):
-    """``(start, length)`` of each piece compared: a small first one, then ``COMPARE_PIECE_BYTES`` each."""
-    first = min(FIRST_PIECE_BYTES, nbytes)
-    yield 0, first
-    for start in range(first, nbytes, COMPARE_PIECE_BYTES):
-        yield start, min(COMPARE_PIECE_BYTES, nbytes - start)
-
-
-def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous uint8 CPU tensors of one length hold the same bytes: libc's ``memcmp``
-    (no GIL held; ~20x faster than ``torch.equal`` on uint8), ``torch.equal`` where libc is not found."""
-    if _MEMCMP is None:
-        return torch.equal(a, b)
-    return _MEMCMP(a.data_ptr(), b.data_ptr(), a.numel()) == 0
-
-
-def _load_memcmp():
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    memcmp = ctypes.CDLL(name).memcmp
-    memcmp.argtypes, memcmp.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
-    return memcmp
-
-
-_MEMCMP = _load_memcmp()
-
-
-def unchanged_chunks(storage: Storage, directory: str, view: BaseView,
-                     boxes: dict[str, tuple[tuple[int, ...], Box]], to_write: dict) -> dict[str, list]:
-    """``name -> [file key, begin, end]`` for each tensor of ``to_write`` whose chunk (box ``boxes[name]``)
-    the base stores with exactly these bytes; the others are absent (written as usual).
-
-    A tensor that is not a plain ``torch.Tensor`` (a lazy one) or has no element is written, never
-    compared. Base files are opened once each, read through maps where the storage has them; the
-    chunks are compared in parallel on the shared I/O threads (``storage.run_parallel``)."""
+    Overlapped: a first piece of each candidate is compared (``ByteProof.probe``), then the file of
+    what differed there is written while the rest is compared, on the shared I/O threads. Should the
+    rest show another difference (one past a tensor's first piece), the file is written again, whole,
+    with that tensor too, before this returns: ``write``'s last result is always the file of exactly
+    the tensors absent from ``refs``, and until the caller commits nothing names it. A tensor that is
+    not a plain ``torch.Tensor`` (a lazy one) or has no element is written, never compared."""
     readers: dict[str, Reader] = {}
-    headers: dict = {}
-    refs: dict[str, list] = {}
-    jobs = []
-    digest_first = not storage.renames_directories   # an object store: a read is a request
+    proof = None
     try:
-        for name, t in to_write.items():
-            if name not in boxes or not isinstance(t, torch.Tensor) or t.numel() == 0:
-                continue
-            full_shape, box = boxes[name]
-            found = _base_chunk(view, name, full_shape, box, t)
-            if found is None:
-                continue
-            key, begin, end = found
-            if key not in readers:
-                readers[key] = storage.open_reader(data_path(storage, directory, key))
-                if readers[key].size_bytes != view.records[key].bytes:
-                    raise MetadataError(f"{data_path(storage, directory, key)} is {readers[key].size_bytes} bytes, "
-                                        f"its base records {view.records[key].bytes}: the base is damaged. Save in "
-                                        f"full (no base), then validate the base")
-            if begin is None:
-                found = _header_range(readers[key], headers, key, name, box, t)
-                if found is None:
-                    continue
-                begin, end = found
-            if end - begin != math.prod(box.sizes) * t.element_size():
-                continue
-            jobs.append(lambda r=readers[key], n=name, k=key, b=begin, e=end, t=t:
-                        refs.__setitem__(n, [k, b, e]) if _same_bytes(r, b, e, t, view.records[k], digest_first)
-                        else None)
-        run_parallel(jobs)
+        found = _candidates(storage, directory, view, boxes, to_write, readers)
+        proof = ByteProof([c for c, _ in found], digest_first=not storage.renames_directories)
+        proof.probe()
+        early = {found[i][0].name for i in proof.changed()}
+        compared = {c.name for c, _ in found}
+        first = [(n, t) for n, t in to_write.items() if n not in compared or n in early]
+        result: dict = {}
+        run_parallel([lambda: result.__setitem__("written", write(first)), *proof.jobs()])
+        refs = {found[i][0].name: [found[i][1], found[i][0].begin, found[i][0].end] for i in proof.equal()}
+        if len(refs) + len(first) < len(to_write):     # a difference past a first piece: write it too
+            result["written"] = write([(n, t) for n, t in to_write.items() if n not in refs])
+        return result["written"], refs
     finally:
+        if proof is not None:
+            proof.close()
         for reader in readers.values():
             reader.close()
-    return refs
+
+
+def _candidates(storage: Storage, directory: str, view: BaseView, boxes: dict, to_write: dict,
+                readers: dict[str, Reader]) -> list[tuple[Candidate, str]]:
+    """``(candidate, file key)`` for each tensor of ``to_write`` the base holds a chunk of with the same
+    box, dtype, full shape and byte count; each base file opened once into ``readers`` and checked to
+    have its recorded size (:class:`MetadataError` otherwise: a damaged base)."""
+    headers: dict = {}
+    out = []
+    for name, t in to_write.items():
+        if name not in boxes or not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        full_shape, box = boxes[name]
+        found = _base_chunk(view, name, full_shape, box, t)
+        if found is None:
+            continue
+        key, begin, end = found
+        if key not in readers:
+            readers[key] = storage.open_reader(data_path(storage, directory, key))
+            if readers[key].size_bytes != view.records[key].bytes:
+                raise MetadataError(f"{data_path(storage, directory, key)} is {readers[key].size_bytes} bytes, "
+                                    f"its base records {view.records[key].bytes}: the base is damaged. Save in "
+                                    f"full (no base), then validate the base")
+        if begin is None:
+            found = _header_range(readers[key], headers, key, name, box, t)
+            if found is None:
+                continue
+            begin, end = found
+        if end - begin != math.prod(box.sizes) * t.element_size():
+            continue
+        out.append((Candidate(name, readers[key], begin, end, t, view.records[key]), key))
+    return out
 
 
 def used_bases(view: BaseView, keys) -> list[Base]:

@@ -76,11 +76,13 @@ class Reader:
             self.read_into(offset + start, piece)
             hasher.update(piece)
 
-    def map_range(self, offset: int, nbytes: int) -> "memoryview | None":
+    def map_range(self, offset: int, nbytes: int, *, prefetch: bool = True) -> "memoryview | None":
         """``nbytes`` of the file at ``offset`` as a writable, copy-on-write map, or None where this reader cannot map.
 
         Nothing is read now (pages come from the page cache when touched, or
-        earlier from the background read-ahead of ``storage.fast_io.map_prefetch``);
+        earlier from the background read-ahead of ``storage.fast_io.map_prefetch``,
+        unless ``prefetch=False``: a caller that populates each piece itself
+        right before it reads it, on its own threads);
         writes to the view stay private to this process and never reach the
         file. The view keeps its map alive (after :meth:`close` too). Only
         local files map; other readers return None and callers read instead.

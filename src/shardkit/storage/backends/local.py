@@ -96,7 +96,7 @@ class _LocalReader(Reader):
             hasher.update(whole[offset:offset + nbytes])
         self._unmap_pages(offset, nbytes)
 
-    def map_range(self, offset: int, nbytes: int) -> "memoryview | None":
+    def map_range(self, offset: int, nbytes: int, *, prefetch: bool = True) -> "memoryview | None":
         if nbytes <= 0 or offset < 0 or offset + nbytes > self.size_bytes or self._fd < 0:
             return None
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
@@ -105,7 +105,8 @@ class _LocalReader(Reader):
         except (OSError, ValueError):  # not mappable: the caller reads instead
             return None
         advise_huge_pages(private)
-        prefetch_mapped(private, [(offset - start, nbytes)])  # pages mapped in the background, ahead of use
+        if prefetch:
+            prefetch_mapped(private, [(offset - start, nbytes)])  # pages mapped in the background, ahead of use
         return memoryview(private)[offset - start:offset - start + nbytes]
 
     def _copies_from_map(self, offset: int, nbytes: int) -> bool:
