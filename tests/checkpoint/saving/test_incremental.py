@@ -125,6 +125,24 @@ def test_conjugate_and_negative_views_are_compared_as_the_values_they_show(tmp_p
     assert torch.equal(out["zc"], z.conj().resolve_conj())
 
 
+def test_a_base_manifest_range_that_is_not_where_the_header_puts_the_tensor_proves_nothing(tmp_path):
+    # The damaged base points "a" at the bytes of "b"; a load would read "a" where the file's header
+    # puts it. Comparing at the manifest's range would reference the old "a" for a new "a" equal to "b".
+    st = {"a": torch.zeros(1024), "b": torch.ones(1024)}
+    ck.save(st, str(tmp_path / "s0"))
+    meta = _meta(tmp_path / "s0")
+    specs = meta["tensor_specs"]
+    specs["a"]["chunks"][0]["byte_range"] = specs["b"]["chunks"][0]["byte_range"]
+    (tmp_path / "s0" / "metadata.json").write_text(json.dumps(meta))
+    st["a"] = torch.ones(1024)
+    ck.save(st, str(tmp_path / "s1"), base=str(tmp_path / "s0"))
+    chunks = {n: t["chunks"][0] for n, t in _meta(tmp_path / "s1")["tensor_specs"].items()}
+    assert "base" not in chunks["a"] and "base" in chunks["b"]
+    out = _empty_like(st)
+    ck.load(out, str(tmp_path / "s1"))
+    _same_bits(out, st)
+
+
 def test_changed_shape_or_dtype_is_written(tmp_path):
     ck.save({"w": torch.ones(4, 4), "v": torch.ones(4)}, str(tmp_path / "s0"))
     st = {"w": torch.ones(2, 8), "v": torch.ones(4, dtype=torch.int32).view(torch.float32)}

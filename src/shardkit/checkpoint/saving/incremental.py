@@ -99,8 +99,8 @@ def read_base(storage: Storage, directory: str, base_directory: str) -> BaseView
 
 
 def _base_chunk(view: BaseView, name: str, full_shape: tuple[int, ...], box: Box, t: torch.Tensor):
-    """``(file key, begin, end)`` of the base's chunk of ``name`` with exactly ``box`` (begin and end
-    None for a grid entry's chunk: its file's header says), or None when the base has no such chunk."""
+    """``(file key, begin, end)`` of the base's chunk of ``name`` with exactly ``box`` (begin and end as
+    the manifest records them, None for a grid entry's chunk), or None when the base has no such chunk."""
     saved = view.manifest.tensors.get(name)
     if saved is None or saved.chunks is None or tuple(saved.spec.full_shape) != tuple(full_shape):
         return None
@@ -118,11 +118,13 @@ def _base_chunk(view: BaseView, name: str, full_shape: tuple[int, ...], box: Box
     return (key, *match[1:]) if key in view.records else None
 
 
-def _header_range(reader: Reader, headers: dict, key: str, name: str, box: Box, t: torch.Tensor):
+def _header_range(reader: Reader, headers: dict, key: str, record: FileRecord, name: str, box: Box,
+                  t: torch.Tensor):
     """``(begin, end)`` of tensor ``name`` in the base file open in ``reader``, from its header (read
-    once per file), or None unless the entry has ``box``'s shape and ``t``'s dtype."""
+    once per file, checked by ``record``'s header checksum where it has one), or None unless the entry
+    has ``box``'s shape and ``t``'s dtype."""
     if key not in headers:
-        headers[key] = read_header(reader)
+        headers[key] = read_header(reader, record)
     entry = headers[key].tensors.get(name)
     if entry is None or tuple(entry.shape) != tuple(box.sizes) or entry.dtype != to_safetensors_name(t.dtype):
         return None
@@ -184,11 +186,12 @@ def _candidates(storage: Storage, directory: str, view: BaseView, boxes: dict, t
                 raise MetadataError(f"{data_path(storage, directory, key)} is {readers[key].size_bytes} bytes, "
                                     f"its base records {view.records[key].bytes}: the base is damaged. Save in "
                                     f"full (no base), then validate the base")
-        if begin is None:
-            found = _header_range(readers[key], headers, key, name, box, t)
-            if found is None:
-                continue
-            begin, end = found
+        # The bytes compared are the bytes a load reads: where the base file's own header puts the
+        # tensor. A manifest range that disagrees with it (a damaged metadata.json) proves nothing.
+        in_header = _header_range(readers[key], headers, key, view.records[key], name, box, t)
+        if in_header is None or (begin is not None and (begin, end) != in_header):
+            continue
+        begin, end = in_header
         if end - begin != math.prod(box.sizes) * t.element_size():
             continue
         out.append((Candidate(name, readers[key], begin, end, t, view.records[key]), key))
