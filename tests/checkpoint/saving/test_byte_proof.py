@@ -194,3 +194,14 @@ def test_reads_where_no_map_is_offered_and_out_of_range_candidates_differ(small_
     run_parallel(proof.jobs(lanes=3))
     assert proof.equal() == [0] and proof.changed() == [1, 2]
     proof.close()
+
+
+def test_no_candidate_is_equal_before_the_probe_compared_its_first_piece(small_pieces):
+    data = bytes(range(256)) * 64
+    proof = _proof(data, {"t": (0, torch.frombuffer(bytearray(data), dtype=torch.uint8))})
+    run_parallel(proof.jobs(lanes=2))      # the pieces after the first one only
+    with pytest.raises(RuntimeError, match="probe"):
+        proof.equal()
+    proof.probe()
+    assert proof.equal() == [0]
+    proof.close()

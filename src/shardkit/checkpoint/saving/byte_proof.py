@@ -125,6 +125,7 @@ class ByteProof:
         self._source_of = [None if d else self._sources[id(c.reader)] for c, d in zip(candidates, self._differs)]
         #: a base file is read, not mapped (object stores): a piece is a request, so lanes are I/O threads
         self.reads = any(source.view is None for source in self._sources.values())
+        self._probed = False     # the first pieces are compared by probe() only: no proof without it
 
     def probe(self) -> None:
         """Compare each candidate's first ``FIRST_PIECE_BYTES`` (after its block digest, with ``digest_first``):
@@ -133,6 +134,7 @@ class ByteProof:
         taken = itertools.count()
         lanes = min(len(todo), max(1, knobs.IO_THREADS)) if self.reads else 1
         run_parallel([lambda: self._probe_lane(todo, taken) for _ in range(lanes)])
+        self._probed = True
 
     def _probe_lane(self, todo: list[int], taken) -> None:
         scratch = [None]
@@ -197,7 +199,11 @@ class ByteProof:
         return [i for i, d in enumerate(self._differs) if d]
 
     def equal(self) -> list[int]:
-        """Indices of the candidates proven equal (call once every job has run)."""
+        """Indices of the candidates proven equal (call once :meth:`probe` and every job have run;
+        ``RuntimeError`` before :meth:`probe`: the first pieces would be unproven)."""
+        if not self._probed:
+            raise RuntimeError("ByteProof.equal() before probe(): the first piece of each candidate was "
+                               "never compared")
         return [i for i, d in enumerate(self._differs) if not d]
 
     def close(self) -> None:
