@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard src/shardkit/*.c src/shardkit/*.h t
 demo: $(STAMP)
 	$(VENV)/bin/shardkit demo
 
-# Two workers on CI's 2 cores (the suite waits on subprocesses and disks a third of the time; xdist_group
-# keeps the S3 tests on one worker and its one server); more where there are more cores, at most 4.
+# Two workers on CI's 2 cores (the suite waits on subprocesses and disks a third of the time; tests/conftest.py's
+# scheduler keeps the S3 tests on one worker and its one server, and starts the long tests first); more where
+# there are more cores, at most 4.
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup
 

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow
 def test_api_reference_builds(tmp_path):
     pytest.importorskip("pdoc")
     out = subprocess.run([sys.executable, "-m", "pdoc", "--docformat", "restructuredtext", "-o", str(tmp_path),

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from shardkit.checkpoint import ShardMetadata, TensorShardSpec, save_distributed
@@ -44,6 +45,7 @@ def test_cli_reports_errors_without_traceback(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_benchmark_harness_smoke(tmp_path):
     from shardkit.bench.runner import main as bench_main
 

@@ -5,15 +5,17 @@ block may use the files an earlier one wrote, as a reader following along
 would). A block whose first line is ``# run: <command>`` (for example
 ``# run: torchrun --nproc-per-node 4 train.py``) is saved under the file name
 that command names and run with exactly that command; any other block runs
-with ``python``. The ``shardkit ...`` and ``torchrun ...`` lines of ``sh``
+with ``python`` (in a child forked from one warm interpreter, ``warm_python.py``: each block still
+runs whole, as ``__main__``, in a process of its own, without paying torch's import again). The
+``shardkit ...`` and ``torchrun ...`` lines of ``sh``
 blocks run afterwards in the same directory (which sees the repository's
 ``examples/``), except ``shardkit demo`` and ``shardkit bench`` (tested on
 their own) and ``make`` (which is what CI runs); the two ``examples/train.py``
 runs are then checked against an uninterrupted run, as the README says they
 match. Last, the output the README
 shows (``text`` blocks of ``$ shardkit ...`` lines, each followed by what it
-prints) is produced again from a copy of ``ckpt/`` and compared line by
-line, timings aside.
+prints) is produced again from a copy of ``ckpt/`` (by the ``shardkit`` entry point in a warm child)
+and compared line by line, timings aside.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import subprocess
 import sys
 
 import pytest
+from warm_python import WarmPython
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -66,13 +69,21 @@ def _timings_aside(lines: list[str]) -> list[str]:
     return [re.sub(r"\b\d+\.\d+ s\b", "<t> s", line.rstrip()) for line in lines]
 
 
-def _run(argv: list[str], cwd, what: str) -> str:
-    """Run ``argv`` in ``cwd``; fail the test unless it exits 0; return what it printed."""
-    env = {**os.environ, "PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, f"{what} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    return done.stdout
+_ENV = {"PATH": BIN + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _run(argv: list[str], cwd, what: str, warm: WarmPython | None = None) -> str:
+    """Run ``argv`` in ``cwd`` (a ``python`` script in a child of ``warm`` when given); fail the test unless
+    it exits 0; return what it printed."""
+    if warm is not None and argv[0] == sys.executable:
+        code, out, err = warm.run(argv[1:], cwd, _ENV)
+    else:
+        done = subprocess.run(argv, cwd=cwd, env={**os.environ, **_ENV}, capture_output=True, text=True,
+                              timeout=240)
+        code, out, err = done.returncode, done.stdout, done.stderr
+    assert code == 0, f"{what} failed ({code}):\n{out[-4000:]}\n{err[-4000:]}"
+    return out
 
 
 def _losses(printed: str) -> dict[int, str]:
@@ -98,13 +109,18 @@ def test_readme_has_blocks():
 
 @pytest.mark.slow
 def test_every_readme_block_runs_as_written(tmp_path):
+    with WarmPython(_ENV) as warm:
+        _every_block_runs_as_written(tmp_path, warm)
+
+
+def _every_block_runs_as_written(tmp_path, warm: WarmPython) -> None:
     blocks = readme_blocks()
     for index, (lang, code) in enumerate(blocks):
         if lang != "python":
             continue
         script, argv = _command_for(code, index)
         (tmp_path / script).write_text(code, encoding="utf-8")
-        _run(argv, tmp_path, f"README python block {index} ({' '.join(argv[-2:])})")
+        _run(argv, tmp_path, f"README python block {index} ({' '.join(argv[-2:])})", warm)
     (tmp_path / "examples").symlink_to(os.path.join(ROOT, "examples"))
     train_printed = []
     for index, (lang, code) in enumerate(blocks):
@@ -123,7 +139,11 @@ def test_every_readme_block_runs_as_written(tmp_path):
     for lang, code in blocks:
         for command, printed in _shown_commands(code) if lang == "text" else []:
             argv = shlex.split(command)
-            done = subprocess.run([os.path.join(BIN, argv[0]), *argv[1:]], cwd=shown_dir, capture_output=True,
-                                  text=True, timeout=240)
-            assert done.returncode == 0, f"{command}: {done.stderr[-2000:]}"
-            assert _timings_aside(done.stdout.splitlines()) == _timings_aside(printed), command
+            if argv[0] == "shardkit":
+                code, out, err = warm.run(argv, shown_dir, _ENV, command=True)
+            else:
+                done = subprocess.run([os.path.join(BIN, argv[0]), *argv[1:]], cwd=shown_dir, capture_output=True,
+                                      text=True, timeout=240)
+                code, out, err = done.returncode, done.stdout, done.stderr
+            assert code == 0, f"{command}: {err[-2000:]}"
+            assert _timings_aside(out.splitlines()) == _timings_aside(printed), command
