@@ -5,7 +5,11 @@ No time is asserted (speed lives in ``shardkit bench``); the bytes each save wro
 
 from __future__ import annotations
 
-from shardkit.bench.checkpoint_suites.incremental_bench import CHANGED, FLOOR, TENSORS, run_incremental_benchmarks
+import torch
+
+from shardkit.bench.checkpoint_suites.incremental_bench import (CHANGED, FLOOR, RAW_CHAIN, RAW_FULL, TENSORS,
+                                                              raw_reads, run_incremental_benchmarks)
+import shardkit.checkpoint as ck
 
 
 def test_incremental_suite_runs_and_writes_only_the_changed_bytes(tmp_path):
@@ -24,3 +28,15 @@ def test_incremental_suite_runs_and_writes_only_the_changed_bytes(tmp_path):
     assert by[(every, "shardkit")]["bytes_written"] == by[(every, "full save (no base)")]["bytes_written"]
     assert by[(same, "shardkit")]["note"] == "references 1 earlier steps"
     assert by[(scattered, "shardkit")]["note"] == "references 20 earlier steps"
+    for case in (same, scattered):                                     # the raw reads are limits, not peers
+        assert by[(case, RAW_CHAIN)]["kind"] == by[(case, RAW_FULL)]["kind"] == "limit"
+
+
+def test_raw_reads_follow_references_and_read_the_saved_bytes(tmp_path):
+    state = {"a": torch.arange(64, dtype=torch.float32), "b": torch.ones(8, dtype=torch.int64)}
+    ck.save(state, str(tmp_path / "s0"))
+    state["b"] += 1
+    ck.save(state, str(tmp_path / "s1"), base=str(tmp_path / "s0"))
+    out = {n: torch.zeros_like(t) for n, t in state.items()}
+    raw_reads(str(tmp_path / "s1"), out)
+    assert all(torch.equal(out[n], state[n]) for n in state)

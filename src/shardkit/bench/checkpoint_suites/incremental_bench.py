@@ -40,7 +40,8 @@ import shardkit.checkpoint as ck
 from shardkit.bench.common import evict_files, row, time_interleaved, warm_files
 from shardkit.checkpoint.format.manifest import read_manifest
 from shardkit.checkpoint.saving.byte_proof import equal_at
-from shardkit.storage import read_header, storage_for, write_safetensors
+from shardkit.checkpoint.format.references import data_path
+from shardkit.storage import byte_view, read_header, run_parallel, storage_for, write_safetensors
 from shardkit.storage.fast_io.memcopy import buffer_address
 
 __all__ = ["run_incremental_benchmarks", "TENSORS", "CHANGED", "FLOOR"]
@@ -199,15 +200,44 @@ def bench_chain_load(state, workdir: str, reps: int, *, scattered: bool) -> list
     ck.load(out, last)
     assert all(torch.equal(out[n], state[n]) for n in names), "the chain loaded other values"
     warm_files(root, full)
-    timings = time_interleaved({"shardkit": lambda: ck.load(out, last), "full checkpoint": lambda: ck.load(out, full)},
-                               reps)
+    impls = {"shardkit": lambda: ck.load(out, last), "full checkpoint": lambda: ck.load(out, full),
+             RAW_CHAIN: lambda: raw_reads(last, out), RAW_FULL: lambda: raw_reads(full, out)}
+    timings = time_interleaved(impls, reps)
     bases = len(read_manifest(*storage_for(last)).bases)
     _fresh(root)
     _fresh(full)
     what = "3 other tensors per step" if scattered else "the same 3 tensors per step"
+    notes = {"shardkit": f"references {bases} earlier steps", "full checkpoint": "self-contained"}
     return [row(f"load step {CHAIN_STEPS} of a chain, {what}", name, timing, bytes=_nbytes(state),
-                note=(f"references {bases} earlier steps" if name == "shardkit" else "version 2, self-contained"))
+                kind="limit" if name in (RAW_CHAIN, RAW_FULL) else "peer",
+                note=notes.get(name, "the tensors' bytes read straight from their files: no plan, no checksum"))
             for name, timing in timings.items()]
+
+
+#: Limits of the chain load: the same bytes read from the same files, with nothing else done.
+RAW_CHAIN = "raw reads: the chain's files"
+RAW_FULL = "raw reads: the full checkpoint's file"
+
+
+def raw_reads(directory: str, out: dict[str, torch.Tensor]) -> None:
+    """Read each tensor's bytes of the one-rank checkpoint in ``directory`` (references followed) straight
+    into ``out``, one job per tensor on the I/O threads, each file opened once: what any load of it
+    must do at least (how many files it reads from included), with no planning or verifying."""
+    storage, root = storage_for(directory)
+    m = read_manifest(storage, root)
+    readers = {}
+    try:
+        jobs = []
+        for name, t in out.items():
+            chunk = m.tensors[name].chunks[0]
+            if chunk.file not in readers:
+                readers[chunk.file] = storage.open_reader(data_path(storage, root, chunk.file))
+            reader = readers[chunk.file]
+            jobs.append(lambda r=reader, b=chunk.begin, v=byte_view(t): r.read_into(b, v))
+        run_parallel(jobs)
+    finally:
+        for reader in readers.values():
+            reader.close()
 
 
 def run_incremental_benchmarks(size_bytes: int, reps: int, workdir: str) -> list[dict]:
