@@ -25,11 +25,11 @@ import ctypes
 import errno
 import os
 import secrets
-import sys
 from typing import BinaryIO, Iterator
 
 from shardkit import knobs
 from shardkit.errors import CheckpointIOError
+from shardkit.storage.fast_io.libc import linux_function
 
 __all__ = ["atomic_local_writer", "checkpoint_io_error", "fsync_dir", "is_temp_name", "start_writeback",
            "temp_name", "typed_io_errors"]
@@ -74,19 +74,9 @@ def makedirs_synced(path: str) -> None:
         fsync_dir(os.path.dirname(created))
 
 
-def _load_sync_file_range():
-    """libc's sync_file_range on Linux, else None (then writeback starts at fsync)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    return fn
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
+# libc's sync_file_range on Linux, else None (then writeback starts at fsync)
+_SYNC_FILE_RANGE = linux_function("sync_file_range",
+                                  [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint])
 _SYNC_FILE_RANGE_WRITE = 2
 
 

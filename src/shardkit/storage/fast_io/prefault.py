@@ -20,9 +20,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import mmap
-import sys
 
 import numpy as np
+
+from shardkit.storage.fast_io.libc import linux_function
 
 __all__ = ["populate_for_write", "advise", "PAGE_BYTES", "MADV_HUGEPAGE", "MADV_POPULATE_READ"]
 
@@ -33,19 +34,8 @@ MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
 
 
-def _load_madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise  # the process's own symbols: libc's (no ldconfig run)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn  # a ctypes call: releases the GIL while the kernel faults the pages
-
-
-_madvise = _load_madvise()
+# a ctypes call: releases the GIL while the kernel faults the pages
+_madvise = linux_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 _unsupported: set[int] = set() if _madvise is not None else {MADV_HUGEPAGE, MADV_POPULATE_READ, _MADV_POPULATE_WRITE}
 
 
@@ -111,16 +101,4 @@ def _absent_span(addr: int, nbytes: int) -> tuple[int, int] | None:
     return start + first * PAGE_BYTES, (last + 1 - first) * PAGE_BYTES
 
 
-def _load_mincore():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_mincore = _load_mincore()
+_mincore = linux_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
