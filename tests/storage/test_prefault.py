@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import sys
 
 import pytest
@@ -74,13 +75,15 @@ def test_only_the_span_of_absent_pages_is_populated(monkeypatch):
     calls = []
     monkeypatch.setattr(prefault, "_madvise", lambda *a: calls.append(a) or 0)
     monkeypatch.setattr(prefault, "_unsupported", set())
-    buf = torch.empty(32 << 20, dtype=torch.uint8)               # a fresh mapping: no page in memory yet
+    fresh = mmap.mmap(-1, 32 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # no page in memory yet
+    buf = torch.frombuffer(fresh, dtype=torch.uint8)
     buf[: 16 << 20].fill_(1)                                     # the first half written
     assert populate_for_write(buf.data_ptr(), buf.nbytes) is True
     [(addr, nbytes, advice)] = calls
     end = (buf.data_ptr() + buf.nbytes) // PAGE_BYTES * PAGE_BYTES
     assert advice == prefault._MADV_POPULATE_WRITE
     assert buf.data_ptr() < addr and addr + nbytes == end         # the written half skipped, the rest asked for
+    del buf
 
 
 def test_without_mincore_the_whole_range_is_populated(monkeypatch):

@@ -37,9 +37,9 @@ def writes(monkeypatch):
     calls: list[list[str]] = []
     real = chunked_save.write_data_file
 
-    def counting(storage, directory, rank, world_size, named):
+    def counting(storage, directory, rank, world_size, named, **options):
         calls.append(sorted(n for n, _ in named))
-        return real(storage, directory, rank, world_size, named)
+        return real(storage, directory, rank, world_size, named, **options)
 
     monkeypatch.setattr(chunked_save, "write_data_file", counting)
     return calls

@@ -99,6 +99,7 @@ class Prepared:
     boxes: dict[str, tuple] = field(default_factory=dict)   # name -> (full shape, this rank's Box) of to_write
     base_dir: str | None = None      # incremental save: the sibling checkpoint unchanged chunks are referenced in
     base_view: Any = None            # its BaseView, read by the writing step (incremental.read_base)
+    page_cache: bool = False         # write through the page cache (background saves: knobs.BACKGROUND_DIRECT_IO)
 
 
 _WITHDRAW_STEP = "locking the directory and withdrawing the previous metadata"
@@ -237,12 +238,14 @@ def _header_digest(layout: FileLayout) -> str:
     return xxhash.xxh3_64_hexdigest(layout.header)
 
 
-def write_data_file(storage: Storage, directory: str, rank: int, world_size: int, named: list) -> dict:
+def write_data_file(storage: Storage, directory: str, rank: int, world_size: int, named: list, *,
+                    page_cache: bool = False) -> dict:
     """Write ``rank_<rank>.safetensors`` holding ``named`` (``(name, tensor or LazyTensor)``, each the
     tensor's chunk this rank writes); returns what the commit checks it by: ``{"record", "header",
     "data_start"}`` (the file's record as JSON, its header's digest and length: where its tensor data starts)."""
     metadata = _file_metadata(rank, world_size)
-    record = write_safetensors(storage, storage.join(directory, data_file_name(rank)), named, metadata)
+    record = write_safetensors(storage, storage.join(directory, data_file_name(rank)), named, metadata,
+                               page_cache=page_cache)
     layout = file_layout([(n, to_safetensors_name(t.dtype), tuple(t.shape)) for n, t in named], metadata)
     return {"record": record.to_json(), "header": _header_digest(layout), "data_start": len(layout.header)}
 
@@ -252,10 +255,12 @@ def _write_file(storage: Storage, directory: str, prep: Prepared) -> dict:
     others are reported as ``refs``: ``name -> [file key, begin, end]``, for the commit). The file
     may be published twice (``incremental.write_changed``); the commit checks the last one."""
     if prep.base_dir is None:
-        return write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()))
+        return write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()),
+                               page_cache=prep.page_cache)
     prep.base_view = view = read_base(storage, directory, prep.base_dir)
     written, refs = write_changed(storage, directory, view, prep.boxes, prep.to_write,
-                                  lambda named: write_data_file(storage, directory, prep.rank, prep.world_size, named))
+                                  lambda named: write_data_file(storage, directory, prep.rank, prep.world_size, named,
+                                                                page_cache=prep.page_cache))
     return {**written, "refs": refs, "base": view.save_id}
 
 

@@ -71,13 +71,16 @@ __all__ = ["DirectSink", "open_direct_sink", "ALIGN_BYTES"]
 ALIGN_BYTES = 4096
 
 
-def open_direct_sink(fd: int, hasher: BlockHasher | None = None) -> "DirectSink | None":
+def open_direct_sink(fd: int, hasher: BlockHasher | None = None, *, o_direct: bool = True) -> "DirectSink | None":
     """Turn on ``O_DIRECT`` for ``fd`` and return a sink for it; None where that is not possible.
 
-    ``hasher`` (optional) is fed the bytes written, in file order.
+    ``hasher`` (optional) is fed the bytes written, in file order. ``o_direct=False``: the same
+    writer (its copy, hashing and writes in C, the GIL released) through the page cache.
     """
     if not knobs.DIRECT_IO or not hasattr(os, "O_DIRECT") or DirectWriter is None:
         return None
+    if not o_direct:
+        return DirectSink(fd, hasher)
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
     except OSError:
