@@ -143,12 +143,13 @@ WRITE_THREADS: int = max(1, min(4, (os.cpu_count() or 2) // 2))
 #: ``DIRECT_IO_BLOCK_BYTES``, ``DIRECT_IO_QUEUE_DEPTH`` of them in flight
 #: (measured on the 2-core VM: 16 MiB x 4 wrote 2 GiB in 1.1 s; 8 MiB x 1-4 in 1.3-1.7 s).
 DIRECT_IO: bool = True
-#: Background saves (``async_save``, ``CheckpointManager.save``) write through the page cache (with
-#: early writeback and the fsync) unless this is True: in one process beside a training loop, a
-#: direct write's short burst slowed the loop's steps +28% while it ran, a buffered one +6% over a
-#: longer save, for the same training time lost per save (2-core VM, 300 MiB, torch on 1 thread).
-#: The page cache then also holds the checkpoint an incremental save compares with next.
-BACKGROUND_DIRECT_IO: bool = False
+#: Background saves (``async_save``, ``CheckpointManager.save``) write with ``O_DIRECT`` like ``save``;
+#: False writes them with the same C writer through the page cache (fsync'd at the end). Beside a tiny
+#: Llama on 1 thread (``shardkit bench --only gil``, 300 MiB, 2-core VM, 2 runs of 5 saves) the page
+#: cache slowed the steps in flight less (+20%, +27% against +34%, +32%) but the save lasted longer,
+#: and more training time was lost per save (0.124, 0.126 s against 0.100, 0.085 s). It also leaves
+#: the checkpoint in the page cache, where the next incremental save compares with it.
+BACKGROUND_DIRECT_IO: bool = True
 DIRECT_IO_BLOCK_BYTES: int = 16 * 1024 * 1024
 DIRECT_IO_QUEUE_DEPTH: int = 4
 

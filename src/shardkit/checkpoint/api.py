@@ -185,9 +185,8 @@ def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None, b
     queues behind it (saves run in the order started, never two at once).
     The staging buffers (one CPU copy of this rank's boxes) are kept and
     reused by the next save on the same group once this one has finished.
-    The files are written through the page cache (early writeback, then
-    fsync), not with ``O_DIRECT`` as by :func:`save`: gentler on the training
-    steps beside it (``knobs.BACKGROUND_DIRECT_IO``).
+    The files are written with ``O_DIRECT``, as by :func:`save`, or through
+    the page cache with ``knobs.BACKGROUND_DIRECT_IO = False``.
     ``future.wait()`` raises
     :class:`AsyncCheckpointError` if the save failed. ``base``: an incremental
     save, as for :func:`save` (the staged copy is compared in the background).
@@ -210,13 +209,13 @@ def _key(background) -> int:
 def stage_for_background(prep, background, dir) -> None:
     """Copy the tensors ``prep`` writes into CPU buffers, reusing the last save's on this background
     group when it has finished (no allocation, no page faults: most of what a warm call blocks for).
-    The buffers (one CPU copy of this rank's boxes) are kept for the next save. The save will write
-    through the page cache unless ``knobs.BACKGROUND_DIRECT_IO``.
+    The buffers (one CPU copy of this rank's boxes) are kept for the next save. The save writes
+    through the page cache when ``knobs.BACKGROUND_DIRECT_IO`` is False.
 
     A failure (out of host memory) raises :class:`AsyncCheckpointError`; with a group, a background
     save of ``dir`` that only reports it is started first, so the other ranks' saves fail at their
     first exchange instead of waiting for this rank until the group's timeout."""
-    prep.page_cache = not knobs.BACKGROUND_DIRECT_IO    # gentler on the training beside it (see the knob)
+    prep.page_cache = not knobs.BACKGROUND_DIRECT_IO    # see the knob
     key = _key(background)
     with _BACKGROUND_LOCK:
         previous = _LAST_SAVE.get(key)

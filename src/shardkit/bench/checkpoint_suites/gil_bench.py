@@ -17,7 +17,8 @@ Rows (median, min, max over ``reps`` runs, the implementations interleaved):
   each step taken while it was in flight, what it took beyond the no-save
   mean; ``slowdown`` (mean step in flight / no-save mean - 1) rides along.
 
-Implementations: ``async_save`` and ``CheckpointManager.save`` (shardkit),
+Implementations: ``async_save`` and ``CheckpointManager.save`` (shardkit; ``async_save`` once more
+with ``knobs.BACKGROUND_DIRECT_IO=False``, its writes through the page cache),
 ``dcp.async_save`` in its thread mode and in its process mode (its writer
 process started by an untimed first save). Each implementation saves once
 untimed first, so every timed save reuses its staging memory. One more row,
@@ -56,8 +57,8 @@ from shardkit.bench.workload import make_state
 __all__ = ["IMPLS", "FLOOR", "floor_saver", "run_gil_benchmarks"]
 
 #: Implementation names, in the order of the rows.
-IMPLS = ("shardkit", "shardkit CheckpointManager.save", "torch.distributed.checkpoint.async_save (thread)",
-         "torch.distributed.checkpoint.async_save (process)")
+IMPLS = ("shardkit", "shardkit CheckpointManager.save", "shardkit, knobs.BACKGROUND_DIRECT_IO=False",
+         "torch.distributed.checkpoint.async_save (thread)", "torch.distributed.checkpoint.async_save (process)")
 
 #: The floor: no implementation, see the module docstring.
 FLOOR = "floor: another process writes the bytes"
@@ -139,9 +140,23 @@ def _savers(state: dict, root: str) -> dict[str, _Saver]:
         IMPLS[0]: _Saver(lambda path: async_save(state, path), lambda f: f.done(), lambda f: f.wait()),
         IMPLS[1]: _Saver(lambda path: manager.save(next(steps), state), manager_done, lambda _: manager.wait(),
                          manager.close),
-        IMPLS[2]: _Saver(dcp_start(AsyncCheckpointerType.THREAD), lambda f: f.done(), lambda f: f.result()),
-        IMPLS[3]: _Saver(dcp_start(AsyncCheckpointerType.PROCESS), lambda f: f.done(), lambda f: f.result()),
+        IMPLS[2]: _Saver(lambda path: _page_cache(lambda: async_save(state, path)), lambda f: f.done(),
+                         lambda f: f.wait()),
+        IMPLS[3]: _Saver(dcp_start(AsyncCheckpointerType.THREAD), lambda f: f.done(), lambda f: f.result()),
+        IMPLS[4]: _Saver(dcp_start(AsyncCheckpointerType.PROCESS), lambda f: f.done(), lambda f: f.result()),
     }
+
+
+def _page_cache(start: Callable[[], object]) -> object:
+    """``start()`` with ``knobs.BACKGROUND_DIRECT_IO`` off (read when the save is staged): the background
+    save writes through the page cache."""
+    from shardkit import knobs
+
+    saved, knobs.BACKGROUND_DIRECT_IO = knobs.BACKGROUND_DIRECT_IO, False
+    try:
+        return start()
+    finally:
+        knobs.BACKGROUND_DIRECT_IO = saved
 
 
 def floor_saver(size_bytes: int) -> _Saver:
