@@ -50,6 +50,17 @@ def _meta(d) -> dict:
         return json.load(f)
 
 
+def _first_chunks(d) -> dict:
+    """Each tensor's first chunk entry in ``d``'s metadata.json (``"base"`` in it: a reference)."""
+    return {n: t["chunks"][0] for n, t in _meta(d)["tensor_specs"].items()}
+
+
+def _loads_bit_for_bit(d, state: dict) -> None:
+    out = _empty_like(state)
+    ck.load(out, str(d))
+    _same_bits(out, state)
+
+
 def _chain(tmp_path, n: int = 3) -> tuple[list[str], list[dict]]:
     """Steps 0..n-1: step 0 full, each later one changes only the LoRA tensors (and step 2 one id)."""
     dirs, states = [], []
@@ -103,11 +114,9 @@ def test_unchanged_means_equal_bytes_not_equal_values_or_untouched(tmp_path):
     st["n"].view(torch.int32)[0] ^= 1   # another NaN payload: NaN != NaN, bytes differ
     st["same"].mul_(1.0)         # touched (version counter moved), bytes equal
     ck.save(st, str(tmp_path / "s1"), base=str(tmp_path / "s0"))
-    chunks = {n: t["chunks"][0] for n, t in _meta(tmp_path / "s1")["tensor_specs"].items()}
+    chunks = _first_chunks(tmp_path / "s1")
     assert "base" not in chunks["z"] and "base" not in chunks["n"] and "base" in chunks["same"]
-    out = _empty_like(st)
-    ck.load(out, str(tmp_path / "s1"))
-    _same_bits(out, st)
+    _loads_bit_for_bit(tmp_path / "s1", st)
 
 
 def test_conjugate_and_negative_views_are_compared_as_the_values_they_show(tmp_path):
@@ -117,7 +126,7 @@ def test_conjugate_and_negative_views_are_compared_as_the_values_they_show(tmp_p
     ck.save({"z": z, "x": x, "zc": z.conj().resolve_conj()}, str(tmp_path / "s0"))
     st = {"z": z.conj(), "x": torch._neg_view(x), "zc": z.conj()}   # "zc": another view, the same values
     ck.save(st, str(tmp_path / "s1"), base=str(tmp_path / "s0"))
-    chunks = {n: t["chunks"][0] for n, t in _meta(tmp_path / "s1")["tensor_specs"].items()}
+    chunks = _first_chunks(tmp_path / "s1")
     assert "base" not in chunks["z"] and "base" not in chunks["x"] and "base" in chunks["zc"]
     out = {"z": torch.zeros(64, dtype=torch.complex64), "x": torch.zeros(64), "zc": torch.zeros(64, dtype=torch.complex64)}
     ck.load(out, str(tmp_path / "s1"))
@@ -136,11 +145,9 @@ def test_a_base_manifest_range_that_is_not_where_the_header_puts_the_tensor_prov
     (tmp_path / "s0" / "metadata.json").write_text(json.dumps(meta))
     st["a"] = torch.ones(1024)
     ck.save(st, str(tmp_path / "s1"), base=str(tmp_path / "s0"))
-    chunks = {n: t["chunks"][0] for n, t in _meta(tmp_path / "s1")["tensor_specs"].items()}
+    chunks = _first_chunks(tmp_path / "s1")
     assert "base" not in chunks["a"] and "base" in chunks["b"]
-    out = _empty_like(st)
-    ck.load(out, str(tmp_path / "s1"))
-    _same_bits(out, st)
+    _loads_bit_for_bit(tmp_path / "s1", st)
 
 
 def test_changed_shape_or_dtype_is_written(tmp_path):
@@ -148,9 +155,7 @@ def test_changed_shape_or_dtype_is_written(tmp_path):
     st = {"w": torch.ones(2, 8), "v": torch.ones(4, dtype=torch.int32).view(torch.float32)}
     ck.save(st, str(tmp_path / "s1"), base=str(tmp_path / "s0"))
     assert "bases" not in _meta(tmp_path / "s1")
-    out = _empty_like(st)
-    ck.load(out, str(tmp_path / "s1"))
-    _same_bits(out, st)
+    _loads_bit_for_bit(tmp_path / "s1", st)
 
 
 def test_removed_base_is_a_typed_error_naming_it(tmp_path):
@@ -331,11 +336,9 @@ def test_block_digest_only_ever_proves_a_difference(tmp_path, monkeypatch):
     st["head"][1024:] = -1.0     # covers the first whole block inside the chunk: its digest differs
     st["tail"][-1] = -1.0        # after it: the first whole block's digest matches, the bytes do not
     ck.save(st, str(tmp_path / "s1"), base=str(tmp_path / "s0"))
-    chunks = {n: t["chunks"][0] for n, t in _meta(tmp_path / "s1")["tensor_specs"].items()}
+    chunks = _first_chunks(tmp_path / "s1")
     assert "base" not in chunks["head"] and "base" not in chunks["tail"] and "base" in chunks["same"]
-    out = _empty_like(st)
-    ck.load(out, str(tmp_path / "s1"))
-    _same_bits(out, st)
+    _loads_bit_for_bit(tmp_path / "s1", st)
 
 
 def test_a_base_written_with_grid_entries_is_referenced_through_its_files_headers(tmp_path, monkeypatch):
