@@ -53,7 +53,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import xxhash
 
 from shardkit import knobs
 from shardkit.checkpoint.planning.chunk_plan import ChunkPlan, plan_chunks
@@ -77,6 +76,7 @@ from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes, to_safetensors_name
 from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box
 from shardkit.storage import FileLayout, FileRecord, Storage, file_layout, write_safetensors
+from shardkit.storage.checksum import block_digest
 from shardkit.storage.json_io import gc_paused
 
 __all__ = ["Prepared", "prepare", "write_and_commit", "snapshot_metadata", "withdraw", "write_data_file", "commit"]
@@ -235,7 +235,7 @@ def _file_metadata(rank: int, world_size: int) -> dict[str, str]:
 
 
 def _header_digest(layout: FileLayout) -> str:
-    return xxhash.xxh3_64_hexdigest(layout.header)
+    return block_digest(layout.header)    # what FileRecord.header_checksum holds for the file written
 
 
 def write_data_file(storage: Storage, directory: str, rank: int, world_size: int, named: list, *,
@@ -247,7 +247,7 @@ def write_data_file(storage: Storage, directory: str, rank: int, world_size: int
     record = write_safetensors(storage, storage.join(directory, data_file_name(rank)), named, metadata,
                                page_cache=page_cache)
     layout = file_layout([(n, to_safetensors_name(t.dtype), tuple(t.shape)) for n, t in named], metadata)
-    return {"record": record.to_json(), "header": _header_digest(layout), "data_start": len(layout.header)}
+    return {"record": record.to_json(), "header": record.header_checksum, "data_start": len(layout.header)}
 
 
 def _write_file(storage: Storage, directory: str, prep: Prepared) -> dict:
