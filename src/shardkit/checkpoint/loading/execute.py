@@ -104,11 +104,9 @@ class OpenFiles:
                 raise IncompleteCheckpointError(
                     f"{path} is {reader.size_bytes} bytes, the manifest records {record.bytes}; the file "
                     f"is {'truncated' if reader.size_bytes < record.bytes else 'not the one saved'}")
-            if record is not None and self.verify and record.header_checksum is not None:
-                return reader, read_header(reader, record)    # the header's own checksum
-            if record is not None and self.verify:
-                _verify_header_bytes(reader, record)           # written before header checksums: block 0
-            return reader, read_header(reader)
+            if record is not None and self.verify and record.header_checksum is None:
+                _verify_header_bytes(reader, record)   # written before header checksums: through block 0
+            return reader, read_header(reader, record if self.verify else None)   # else by its own checksum
         except BaseException:
             reader.close()
             raise
