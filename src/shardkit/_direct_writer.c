@@ -21,6 +21,11 @@
  * the copy and the write fails the save. Digests are per block of
  * block_bytes at file offsets (block_bytes 0: no hashing).
  *
+ * Paced (share below 1, for background saves): one thread writes, resting after each buffer for as
+ * long as (1 - share) / share times the write took; the copying and hashing wait for free buffers, so
+ * they keep the same pace; hurry() ends the rests (the one thread goes on alone). Unpaced (share 1):
+ * `depth` threads, no rests.
+ *
  * What it does not do: open, truncate, fsync or rename the file, or own the
  * buffers (storage.fast_io.direct_io passes its pool's; they must outlive the
  * writer). With `pwrite` given (os.pwrite replaced by a tracer or a fault
@@ -35,6 +40,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include "_stream_copy.h"
 
@@ -165,6 +171,26 @@ static int sk_write_job(DirectWriter *w, SkJob *job) {
     return 0;
 }
 
+static uint64_t sk_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* A paced writer (share below 1; it has one thread) rests after each write, with w->lock held on entry
+ * and exit, for (1 - share) / share times as long as the write took, so the disk, and what the machine
+ * spends moving the bytes, are busy for that share of the wall time. The next buffer fills meanwhile;
+ * stopping the threads, or sk_hurry, cuts the rest short. */
+static void sk_rest_after(DirectWriter *w, uint64_t took_ns) {
+    uint64_t rest_ns = (uint64_t)((double)took_ns * (1.0 - w->share) / w->share);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until); /* the clock pthread_cond_timedwait measures by default */
+    uint64_t end_ns = (uint64_t)until.tv_nsec + rest_ns;
+    until.tv_sec += (time_t)(end_ns / 1000000000u), until.tv_nsec = (long)(end_ns % 1000000000u);
+    while (!w->stop && w->share < 1.0 && pthread_cond_timedwait(&w->work, &w->lock, &until) != ETIMEDOUT) {
+    }
+}
+
 void *sk_writer_thread(void *arg) {
     DirectWriter *w = arg;
     pthread_mutex_lock(&w->lock);
@@ -178,13 +204,18 @@ void *sk_writer_thread(void *arg) {
         SkJob *job = &w->jobs[w->taken++ % (unsigned long long)w->depth];
         int failed = w->err != 0 || w->exc[0] != NULL;
         pthread_mutex_unlock(&w->lock);
+        uint64_t start_ns = sk_now_ns();
         int err = failed ? 0 : sk_write_job(w, job); /* after a failure, nothing more is written */
+        uint64_t took_ns = sk_now_ns() - start_ns;
         pthread_mutex_lock(&w->lock);
         if (err && w->err == 0) {
             w->err = err;
         }
         job->done = 1;
         pthread_cond_broadcast(&w->finished);
+        if (w->share < 1.0 && !err && !failed) {
+            sk_rest_after(w, took_ns);
+        }
     }
     pthread_mutex_unlock(&w->lock);
     return NULL;
@@ -250,6 +281,13 @@ int sk_drain(DirectWriter *w) {
         }
     }
     return 0;
+}
+
+void sk_hurry(DirectWriter *w) {
+    pthread_mutex_lock(&w->lock);
+    w->share = 1.0;
+    pthread_cond_broadcast(&w->work);
+    pthread_mutex_unlock(&w->lock);
 }
 
 void sk_stop_threads(DirectWriter *w) {

@@ -60,12 +60,13 @@ static int sk_enter(DirectWriter *w) {
 }
 
 static PyObject *dw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    static char *names[] = {"fd", "buffers", "buffer_bytes", "block_bytes", "pwrite", NULL};
+    static char *names[] = {"fd", "buffers", "buffer_bytes", "block_bytes", "pwrite", "share", NULL};
     int fd;
     PyObject *buffers, *hook = Py_None;
     Py_ssize_t buffer_bytes, block_bytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOnn|O:DirectWriter", names, &fd, &buffers, &buffer_bytes,
-                                     &block_bytes, &hook)) {
+    double share = 1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOnn|Od:DirectWriter", names, &fd, &buffers, &buffer_bytes,
+                                     &block_bytes, &hook, &share)) {
         return NULL;
     }
     PyObject *seq = PySequence_Fast(buffers, "buffers must be a sequence of addresses");
@@ -73,10 +74,11 @@ static PyObject *dw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
         return NULL;
     }
     Py_ssize_t depth = PySequence_Fast_GET_SIZE(seq);
-    if (depth < 1 || buffer_bytes <= 0 || (size_t)buffer_bytes % SK_ALIGN || block_bytes < 0) {
+    if (depth < 1 || buffer_bytes <= 0 || (size_t)buffer_bytes % SK_ALIGN || block_bytes < 0 || !(share > 0.0)
+        || share > 1.0) {
         Py_DECREF(seq);
         PyErr_SetString(PyExc_ValueError, "DirectWriter needs >= 1 buffer, buffer_bytes a positive multiple of "
-                                          "4096 and block_bytes >= 0");
+                                          "4096, block_bytes >= 0 and 0 < share <= 1");
         return NULL;
     }
     DirectWriter *w = (DirectWriter *)type->tp_alloc(type, 0);
@@ -87,7 +89,7 @@ static PyObject *dw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     pthread_mutex_init(&w->lock, NULL);
     pthread_cond_init(&w->work, NULL);
     pthread_cond_init(&w->finished, NULL);
-    w->fd = fd, w->depth = (int)depth, w->buffer_bytes = (size_t)buffer_bytes, w->pid = getpid();
+    w->fd = fd, w->depth = (int)depth, w->buffer_bytes = (size_t)buffer_bytes, w->pid = getpid(), w->share = share;
     w->hook = hook == Py_None ? NULL : (Py_INCREF(hook), hook);
     w->source.block_bytes = w->written.block_bytes = (size_t)block_bytes;
     w->buffers = calloc((size_t)depth, sizeof *w->buffers);
@@ -109,7 +111,7 @@ static PyObject *dw_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
         Py_DECREF(w);
         return NULL;
     }
-    for (int i = 0; i < w->depth; i++) {
+    for (int i = 0; i < (share < 1.0 ? 1 : w->depth); i++) { /* paced: one write at a time */
         int err = pthread_create(&w->threads[i], NULL, sk_writer_thread, w);
         if (err) {
             Py_DECREF(w); /* joins the threads started so far */
@@ -224,6 +226,14 @@ static PyObject *dw_abort(DirectWriter *w, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *dw_hurry(DirectWriter *w, PyObject *unused) {
+    (void)unused;
+    Py_BEGIN_ALLOW_THREADS /* the lock may be held by a thread waiting for the GIL in the pwrite hook */
+    sk_hurry(w);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef dw_methods[] = {
     {"write", (PyCFunction)dw_write, METH_O,
      "write(segments): copy (and hash) each (address, nbytes) in order into the buffers, handing full ones "
@@ -233,6 +243,8 @@ static PyMethodDef dw_methods[] = {
      "finish() -> (nbytes, source_digests, written_digests): write the tail padded to 4096 bytes, wait, stop "
      "the threads. None when a failure was already raised. The caller truncates the file to nbytes."},
     {"abort", (PyCFunction)dw_abort, METH_NOARGS, "abort(): stop the threads after the writes in progress."},
+    {"hurry", (PyCFunction)dw_hurry, METH_NOARGS,
+     "hurry(): a paced writer (share below 1) rests no more; from any thread, while another writes."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -67,6 +67,7 @@ typedef struct {
     PyObject *exc[3];  /* or the exception the pwrite hook raised */
     PyObject *hook;
     SkBlocks source, written;
+    double share;      /* the share of the wall time it keeps the disk busy (1: unpaced; below 1: one thread) */
 } DirectWriter;
 
 /* Append the digest of the block being hashed, reset for the next one; -1: out of memory. */
@@ -81,6 +82,8 @@ int sk_put(DirectWriter *w, const char *src, size_t n);
 int sk_drain(DirectWriter *w);
 /* Stop and join the threads (after the writes in progress); idempotent. */
 void sk_stop_threads(DirectWriter *w);
+/* No more rests: a paced writer goes on at full speed (its one thread). Any thread, any time. */
+void sk_hurry(DirectWriter *w);
 /* Whether a write failed (an errno, or an exception from the pwrite hook). */
 int sk_failed(DirectWriter *w);
 

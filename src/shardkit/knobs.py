@@ -150,6 +150,16 @@ DIRECT_IO: bool = True
 #: and more training time was lost per save (0.124, 0.126 s against 0.100, 0.085 s). It also leaves
 #: the checkpoint in the page cache, where the next incremental save compares with it.
 BACKGROUND_DIRECT_IO: bool = True
+#: The share of the wall time a background save keeps the disk busy, in (0, 1]: below 1 its writer
+#: writes one ``DIRECT_IO_BLOCK_BYTES`` block at a time and rests after each for (1 - share) / share
+#: times as long as the write took, so it runs at that share of the disk's speed, whatever the disk
+#: (``storage.fast_io.write_mode.WriteMode``). Writing at full speed costs a training loop on the same
+#: machine CPU time per byte (the kernel's and the hypervisor's I/O work, the memory bus), all of it
+#: while the save runs. Beside a tiny Llama on 1 thread (``shardkit bench --only gil``, 300 MiB,
+#: 2-core VM) full speed slowed the steps in flight by +20-30%, another process writing the same
+#: bytes with O_DIRECT as fast by +20% too; paced at 0.5 and 0.33 they slowed +9% and +5%, for about
+#: the same training time lost per save, the save lasting 2x and 3x as long. ``save`` is never paced.
+BACKGROUND_DISK_SHARE: float = 0.25
 DIRECT_IO_BLOCK_BYTES: int = 16 * 1024 * 1024
 DIRECT_IO_QUEUE_DEPTH: int = 4
 

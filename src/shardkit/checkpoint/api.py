@@ -37,7 +37,6 @@ import weakref
 
 import torch.distributed as dist
 
-from shardkit import knobs
 from shardkit.checkpoint.background.group import dedicated_gloo_group
 from shardkit.checkpoint.background.future import CheckpointFuture
 from shardkit.checkpoint.saving.chunked_save import prepare, write_and_commit
@@ -52,6 +51,7 @@ from shardkit.checkpoint.background.staging_reserve import StagingReserve
 from shardkit.errors import AsyncCheckpointError
 from shardkit.sources.opening import open_source
 from shardkit.storage import storage_for
+from shardkit.storage.fast_io.write_mode import WriteMode
 
 __all__ = ["save", "load", "async_save", "resolve_world", "start_background", "start_background_work",
            "background_coordinator", "release_staging",
@@ -186,7 +186,9 @@ def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None, b
     The staging buffers (one CPU copy of this rank's boxes) are kept and
     reused by the next save on the same group once this one has finished.
     The files are written with ``O_DIRECT``, as by :func:`save`, or through
-    the page cache with ``knobs.BACKGROUND_DIRECT_IO = False``.
+    the page cache with ``knobs.BACKGROUND_DIRECT_IO = False``, at a share of
+    the disk's speed (``knobs.BACKGROUND_DISK_SHARE``, a quarter by default),
+    so that training on the same machine barely slows while the save runs.
     ``future.wait()`` raises
     :class:`AsyncCheckpointError` if the save failed. ``base``: an incremental
     save, as for :func:`save` (the staged copy is compared in the background).
@@ -209,13 +211,14 @@ def _key(background) -> int:
 def stage_for_background(prep, background, dir) -> None:
     """Copy the tensors ``prep`` writes into CPU buffers, reusing the last save's on this background
     group when it has finished (no allocation, no page faults: most of what a warm call blocks for).
-    The buffers (one CPU copy of this rank's boxes) are kept for the next save. The save writes
-    through the page cache when ``knobs.BACKGROUND_DIRECT_IO`` is False.
+    The buffers (one CPU copy of this rank's boxes) are kept for the next save. The save is written
+    as the knobs say (``WriteMode.background()``: ``BACKGROUND_DIRECT_IO``, ``BACKGROUND_DISK_SHARE``;
+    a share outside (0, 1] raises ``ValueError`` here, before anything is staged).
 
     A failure (out of host memory) raises :class:`AsyncCheckpointError`; with a group, a background
     save of ``dir`` that only reports it is started first, so the other ranks' saves fail at their
     first exchange instead of waiting for this rank until the group's timeout."""
-    prep.page_cache = not knobs.BACKGROUND_DIRECT_IO    # see the knob
+    prep.write_mode = WriteMode.background()    # knobs.BACKGROUND_DIRECT_IO and BACKGROUND_DISK_SHARE
     key = _key(background)
     with _BACKGROUND_LOCK:
         previous = _LAST_SAVE.get(key)
@@ -276,7 +279,9 @@ def start_background(prep, dir, background, *, before_write=None, after=None,
         if after is not None:
             after()
 
-    return start_background_work(work, dir, background, prep.rank)
+    future = CheckpointFuture(os.fspath(dir), f"background checkpoint save (rank {prep.rank})",
+                              hurry=prep.write_mode.hurry)
+    return start_background_work(work, dir, background, prep.rank, future=future)
 
 
 def start_background_work(work, dir, background, rank: int, *, future: CheckpointFuture | None = None
@@ -298,6 +303,7 @@ def start_background_work(work, dir, background, rank: int, *, future: Checkpoin
             if previous is not None:
                 # Saves on one background group run in the order they were started (the same
                 # on every rank): two threads issuing collectives on one group would mismatch.
+                # Waiting lifts the earlier save's pace: saves are queueing, each holding a copy.
                 previous.wait_finished()
             work()
         except BaseException as e:  # noqa: BLE001 - handed to wait()

@@ -28,7 +28,7 @@ class FakeSave:
         self.gate.set()
         self.fail_with: BaseException | None = None
 
-    def __call__(self, staged, dir, rank, world_size, shard_spec, group, *, overwrite=False):
+    def __call__(self, staged, dir, rank, world_size, shard_spec, group, *, overwrite=False, mode=None):
         self.calls.append({"staged": staged, "dir": dir, "thread": threading.current_thread().name,
                            "overwrite": overwrite})
         assert self.gate.wait(30)

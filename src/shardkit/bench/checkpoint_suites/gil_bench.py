@@ -17,8 +17,9 @@ Rows (median, min, max over ``reps`` runs, the implementations interleaved):
   each step taken while it was in flight, what it took beyond the no-save
   mean; ``slowdown`` (mean step in flight / no-save mean - 1) rides along.
 
-Implementations: ``async_save`` and ``CheckpointManager.save`` (shardkit; ``async_save`` once more
-with ``knobs.BACKGROUND_DIRECT_IO=False``, its writes through the page cache),
+Implementations: ``async_save`` and ``CheckpointManager.save`` (shardkit, paced at
+``knobs.BACKGROUND_DISK_SHARE`` of the disk's speed; ``async_save`` once more unpaced, with the
+share at 1, and once with ``knobs.BACKGROUND_DIRECT_IO=False``, its writes through the page cache),
 ``dcp.async_save`` in its thread mode and in its process mode (its writer
 process started by an untimed first save). Each implementation saves once
 untimed first, so every timed save reuses its staging memory. One more row,
@@ -57,7 +58,8 @@ from shardkit.bench.workload import make_state
 __all__ = ["IMPLS", "FLOOR", "floor_saver", "run_gil_benchmarks"]
 
 #: Implementation names, in the order of the rows.
-IMPLS = ("shardkit", "shardkit CheckpointManager.save", "shardkit, knobs.BACKGROUND_DIRECT_IO=False",
+IMPLS = ("shardkit", "shardkit CheckpointManager.save", "shardkit, knobs.BACKGROUND_DISK_SHARE=1.0",
+         "shardkit, knobs.BACKGROUND_DIRECT_IO=False",
          "torch.distributed.checkpoint.async_save (thread)", "torch.distributed.checkpoint.async_save (process)")
 
 #: The floor: no implementation, see the module docstring.
@@ -140,23 +142,25 @@ def _savers(state: dict, root: str) -> dict[str, _Saver]:
         IMPLS[0]: _Saver(lambda path: async_save(state, path), lambda f: f.done(), lambda f: f.wait()),
         IMPLS[1]: _Saver(lambda path: manager.save(next(steps), state), manager_done, lambda _: manager.wait(),
                          manager.close),
-        IMPLS[2]: _Saver(lambda path: _page_cache(lambda: async_save(state, path)), lambda f: f.done(),
-                         lambda f: f.wait()),
-        IMPLS[3]: _Saver(dcp_start(AsyncCheckpointerType.THREAD), lambda f: f.done(), lambda f: f.result()),
-        IMPLS[4]: _Saver(dcp_start(AsyncCheckpointerType.PROCESS), lambda f: f.done(), lambda f: f.result()),
+        IMPLS[2]: _Saver(lambda path: _with_knob("BACKGROUND_DISK_SHARE", 1.0, lambda: async_save(state, path)),
+                         lambda f: f.done(), lambda f: f.wait()),
+        IMPLS[3]: _Saver(lambda path: _with_knob("BACKGROUND_DIRECT_IO", False, lambda: async_save(state, path)),
+                         lambda f: f.done(), lambda f: f.wait()),
+        IMPLS[4]: _Saver(dcp_start(AsyncCheckpointerType.THREAD), lambda f: f.done(), lambda f: f.result()),
+        IMPLS[5]: _Saver(dcp_start(AsyncCheckpointerType.PROCESS), lambda f: f.done(), lambda f: f.result()),
     }
 
 
-def _page_cache(start: Callable[[], object]) -> object:
-    """``start()`` with ``knobs.BACKGROUND_DIRECT_IO`` off (read when the save is staged): the background
-    save writes through the page cache."""
+def _with_knob(name: str, value, start: Callable[[], object]) -> object:
+    """``start()`` with ``knobs.<name>`` set to ``value`` (background saves read their knobs when staged)."""
     from shardkit import knobs
 
-    saved, knobs.BACKGROUND_DIRECT_IO = knobs.BACKGROUND_DIRECT_IO, False
+    saved = getattr(knobs, name)
+    setattr(knobs, name, value)
     try:
         return start()
     finally:
-        knobs.BACKGROUND_DIRECT_IO = saved
+        setattr(knobs, name, saved)
 
 
 def floor_saver(size_bytes: int) -> _Saver:
@@ -192,17 +196,18 @@ def _one_save(step: Callable[[], None], saver: _Saver, path: str) -> dict:
         step()
         quiet.append(time.perf_counter() - start)
     base = statistics.median(quiet)
-    start = time.perf_counter()
+    began = time.perf_counter()
     handle = saver.start(path)
-    blocked = time.perf_counter() - start
+    blocked = time.perf_counter() - began
     busy = []
     while not saver.done(handle):
         start = time.perf_counter()
         step()
         busy.append(time.perf_counter() - start)
     saver.finish(handle)
+    in_flight = time.perf_counter() - began
     mean = statistics.fmean(busy) if busy else base
-    return {"blocked_s": blocked, "quiet_step_s": base, "step_s": mean, "steps": len(busy),
+    return {"blocked_s": blocked, "quiet_step_s": base, "step_s": mean, "steps": len(busy), "in_flight_s": in_flight,
             "lost_s": blocked + sum(t - base for t in busy), "slowdown": mean / base - 1}
 
 
@@ -273,6 +278,7 @@ def _rows(size_bytes: int, reps: int, root: str) -> list[dict]:
         extra = {"slowdown": statistics.median(r["slowdown"] for r in runs[name]),
                  "slowdowns": [round(r["slowdown"], 3) for r in runs[name]],
                  "blocked_s": statistics.median(r["blocked_s"] for r in runs[name]),
+                 "in_flight_s": statistics.median(r["in_flight_s"] for r in runs[name]),
                  "steps_in_flight": statistics.median(r["steps"] for r in runs[name])}
         rows.append(row("train during save: mean step", name, _summary(runs[name], "step_s"),
                         **({"kind": "limit"} if name == FLOOR else {}), **extra))

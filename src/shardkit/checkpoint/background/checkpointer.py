@@ -91,11 +91,12 @@ from shardkit.checkpoint.format.nested import flatten
 from shardkit.checkpoint.background.staging import stage
 from shardkit.checkpoint.background.staging_reserve import StagingReserve
 from shardkit.errors import AsyncCheckpointError, AsyncWaitTimeout
+from shardkit.storage.fast_io.write_mode import WriteMode
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture", "AsyncWaitTimeout"]
 
-def _save_staged(staged, dir, rank, world_size, shard_spec, group, *, overwrite: bool) -> None:
-    save_distributed(staged, dir, rank, world_size, shard_spec, group=group, overwrite=overwrite)
+def _save_staged(staged, dir, rank, world_size, shard_spec, group, *, overwrite: bool, mode: WriteMode) -> None:
+    save_distributed(staged, dir, rank, world_size, shard_spec, group=group, overwrite=overwrite, write_mode=mode)
 
 
 class AsyncCheckpointer:
@@ -144,7 +145,8 @@ class AsyncCheckpointer:
         target = self.dir if dir is None else os.fspath(dir)
         overwrite = self.overwrite if overwrite is None else overwrite
         self._check_overwrite(target, overwrite)
-        future = self._claim(target)
+        mode = WriteMode.background()   # the knobs' pace (ValueError for a bad one, before anything is claimed)
+        future = self._claim(target, mode)
         try:
             staged = self._stage_checked(state_dict)
         except BaseException as e:
@@ -154,7 +156,7 @@ class AsyncCheckpointer:
                 f"{type(e).__name__}: {e}"
             ) from e
         self._start(future, target, lambda: _save_staged(staged, target, self.rank, self.world_size,
-                                                         self.shard_spec, self.group, overwrite=overwrite))
+                                                         self.shard_spec, self.group, overwrite=overwrite, mode=mode))
         return future
 
     def prepare(self, state_dict, *, background: bool = False) -> None:
@@ -256,10 +258,10 @@ class AsyncCheckpointer:
         if self.group is None and not overwrite:
             check_may_overwrite(target, self.rank, self.world_size)
 
-    def _claim(self, target: str) -> CheckpointFuture:
+    def _claim(self, target: str, mode: WriteMode) -> CheckpointFuture:
         with self._lock:
             self._check_idle(target)
-            future = CheckpointFuture(target, f"background checkpoint save (rank {self.rank})")
+            future = CheckpointFuture(target, f"background checkpoint save (rank {self.rank})", hurry=mode.hurry)
             self._in_flight = future
             return future
 

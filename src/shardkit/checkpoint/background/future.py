@@ -26,7 +26,9 @@ class CheckpointFuture:
 
     ``wait()`` may be called any number of times, from any thread; after a
     failure every call raises a new :class:`~shardkit.errors.AsyncCheckpointError`
-    chained to the same cause. It does not cancel the save.
+    chained to the same cause. It does not cancel the save. A wait that blocks
+    (any ``timeout`` but 0) first lifts the save's pace (``knobs.BACKGROUND_DISK_SHARE``):
+    whoever waits is not training, so the rest is written at full speed.
 
     Example::
 
@@ -36,8 +38,9 @@ class CheckpointFuture:
             future.wait()   # returns at once, or raises the failure
     """
 
-    def __init__(self, dir: str, description: str = "checkpoint save"):
+    def __init__(self, dir: str, description: str = "checkpoint save", *, hurry=None):
         self.dir = dir
+        self._hurry = hurry  # lifts the save's pace (a WriteMode's hurry), or None
         self._description = description
         self._finished = threading.Event()
         self._error: BaseException | None = None
@@ -55,16 +58,20 @@ class CheckpointFuture:
         False when ``timeout`` (seconds) ran out first. Safe to interrupt (a
         KeyboardInterrupt leaves the future as it was), unlike joining the
         save's thread on Python 3.11, which can then call a running thread stopped.
+        A blocking wait lifts the save's pace first (:meth:`hurry`).
         """
+        if timeout is None or timeout > 0:
+            self.hurry()
         return self._finished.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the save finished; raise ``AsyncCheckpointError`` if it failed.
 
         ``timeout`` (seconds): give up waiting after that long and raise
-        :class:`AsyncWaitTimeout` (a ``TimeoutError``); the save goes on.
+        :class:`AsyncWaitTimeout` (a ``TimeoutError``); the save goes on. ``timeout=0`` polls; any
+        other wait lifts the save's pace first (:meth:`hurry`).
         """
-        if not self._finished.wait(timeout):
+        if not self.wait_finished(timeout):
             raise AsyncWaitTimeout(
                 f"the {self._description} to {self.dir} is still running after waiting "
                 f"{timeout} s (started {time.monotonic() - self._started_s:.1f} s ago); "
@@ -80,6 +87,12 @@ class CheckpointFuture:
             if isinstance(e, CheckpointIOError):  # still an OSError with its errno
                 raise AsyncCheckpointIOError(message, e.errno, e.strerror, e.filename) from e
             raise AsyncCheckpointError(message) from e
+
+    def hurry(self) -> None:
+        """Write the rest of the save at full speed, not at ``knobs.BACKGROUND_DISK_SHARE`` of it (for a
+        caller about to block on it, or done training). Does nothing once the save is done."""
+        if self._hurry is not None and not self.done():
+            self._hurry()
 
     @property
     def duration_s(self) -> float | None:

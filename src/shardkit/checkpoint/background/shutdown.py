@@ -60,6 +60,8 @@ def _register() -> None:
 
 
 def _join_saves() -> None:
+    for future in list(_futures):
+        future.hurry()  # nobody trains any more: the rest at full speed
     for thread in list(_threads):
         if thread.is_alive() and thread is not threading.current_thread():
             thread.join()

@@ -77,6 +77,7 @@ from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box
 from shardkit.storage import FileLayout, FileRecord, Storage, file_layout, write_safetensors
 from shardkit.storage.checksum import block_digest
+from shardkit.storage.fast_io.write_mode import FOREGROUND, WriteMode
 from shardkit.storage.json_io import gc_paused
 
 __all__ = ["Prepared", "prepare", "write_and_commit", "snapshot_metadata", "withdraw", "write_data_file", "commit"]
@@ -99,7 +100,7 @@ class Prepared:
     boxes: dict[str, tuple] = field(default_factory=dict)   # name -> (full shape, this rank's Box) of to_write
     base_dir: str | None = None      # incremental save: the sibling checkpoint unchanged chunks are referenced in
     base_view: Any = None            # its BaseView, read by the writing step (incremental.read_base)
-    page_cache: bool = False         # write through the page cache (background saves: knobs.BACKGROUND_DIRECT_IO)
+    write_mode: WriteMode = FOREGROUND    # background saves: WriteMode.background() (the knobs)
 
 
 _WITHDRAW_STEP = "locking the directory and withdrawing the previous metadata"
@@ -239,13 +240,12 @@ def _header_digest(layout: FileLayout) -> str:
 
 
 def write_data_file(storage: Storage, directory: str, rank: int, world_size: int, named: list, *,
-                    page_cache: bool = False) -> dict:
+                    mode: WriteMode = FOREGROUND) -> dict:
     """Write ``rank_<rank>.safetensors`` holding ``named`` (``(name, tensor or LazyTensor)``, each the
     tensor's chunk this rank writes); returns what the commit checks it by: ``{"record", "header",
-    "data_start"}`` (the file's record as JSON, its header's digest and length: where its tensor data starts)."""
+    "data_start"}`` (the file's record, its header's digest and length: where its data starts), written as ``mode`` says."""
     metadata = _file_metadata(rank, world_size)
-    record = write_safetensors(storage, storage.join(directory, data_file_name(rank)), named, metadata,
-                               page_cache=page_cache)
+    record = write_safetensors(storage, storage.join(directory, data_file_name(rank)), named, metadata, mode=mode)
     layout = file_layout([(n, to_safetensors_name(t.dtype), tuple(t.shape)) for n, t in named], metadata)
     return {"record": record.to_json(), "header": record.header_checksum, "data_start": len(layout.header)}
 
@@ -256,11 +256,11 @@ def _write_file(storage: Storage, directory: str, prep: Prepared) -> dict:
     may be published twice (``incremental.write_changed``); the commit checks the last one."""
     if prep.base_dir is None:
         return write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()),
-                               page_cache=prep.page_cache)
+                               mode=prep.write_mode)
     prep.base_view = view = read_base(storage, directory, prep.base_dir)
     written, refs = write_changed(storage, directory, view, prep.boxes, prep.to_write,
                                   lambda named: write_data_file(storage, directory, prep.rank, prep.world_size, named,
-                                                                page_cache=prep.page_cache))
+                                                                mode=prep.write_mode))
     return {**written, "refs": refs, "base": view.save_id}
 
 

@@ -75,6 +75,7 @@ from shardkit.checkpoint.format.spec import TensorShardSpec, as_spec_dict, check
 from shardkit.dtypes import NAME_TO_DTYPE, itemsize_bytes, to_safetensors_name
 from shardkit.errors import CheckpointExistsError, MetadataError, TensorMismatchError
 from shardkit.storage import Storage, parse_json_object, storage_for
+from shardkit.storage.fast_io.write_mode import FOREGROUND, WriteMode
 
 __all__ = ["save_distributed", "check_may_overwrite", "report_failed_save"]
 
@@ -93,7 +94,7 @@ class _Planned:
 
 @logged("save_distributed")
 def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=None, metadata=None,
-                     overwrite: bool = False) -> None:
+                     overwrite: bool = False, write_mode: WriteMode | None = None) -> None:
     """Save this rank's part of ``state_dict`` into the checkpoint directory ``dir`` (format version 3).
 
     ``state_dict`` may be nested; tensors named (by dotted path) in
@@ -102,7 +103,9 @@ def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=Non
     (JSON-serialisable, stored as ``user_metadata``) go into ``metadata.json``.
     It does not return before this rank's files are durable; with a
     ``group``, not before the whole checkpoint is committed; without one,
-    the last rank to finish commits it.
+    the last rank to finish commits it. ``write_mode`` (``storage.fast_io.write_mode.WriteMode``;
+    None: a blocking save's) says how local files are written: ``AsyncCheckpointer`` passes
+    ``WriteMode.background()``, paced at ``knobs.BACKGROUND_DISK_SHARE`` of the disk's speed.
 
     Raises :class:`MetadataError` for a bad rank or spec, :class:`TensorMismatchError`
     for a tensor that does not fit its spec, ``TypeError`` for a leaf that
@@ -113,15 +116,16 @@ def save_distributed(state_dict, dir, rank, world_size, shard_spec, *, group=Non
     check_world(rank, world_size)
     coordinator = resolve_group(group, rank, world_size)
     storage, directory = storage_for(dir)
+    mode = FOREGROUND if write_mode is None else write_mode
     if coordinator is None:
-        planned = _prepare(state_dict, rank, world_size, shard_spec, metadata)
+        planned = _prepare(state_dict, rank, world_size, shard_spec, metadata, mode)
         _save_alone(storage, directory, planned, refuse_existing=world_size > 1 and not overwrite)
     else:
         _save_with_group(storage, directory, coordinator,
-                         lambda: _prepare(state_dict, rank, world_size, shard_spec, metadata))
+                         lambda: _prepare(state_dict, rank, world_size, shard_spec, metadata, mode))
 
 
-def _prepare(state_dict, rank, world_size, shard_spec, metadata) -> _Planned:
+def _prepare(state_dict, rank, world_size, shard_spec, metadata, mode: WriteMode) -> _Planned:
     flat = flatten(state_dict)
     specs = as_spec_dict(shard_spec, world_size)
     for name in specs:
@@ -142,7 +146,7 @@ def _prepare(state_dict, rank, world_size, shard_spec, metadata) -> _Planned:
                     flat.objects, flat.structure, snapshot_metadata(metadata),
                     {n: s.shard_dim for n, s in specs.items() if s.shard_dim is not None},
                     {n: tuple(s.shard_sizes) for n, s in specs.items()
-                     if s.shard_dim is not None and math.prod(s.full_shape) == 0})
+                     if s.shard_dim is not None and math.prod(s.full_shape) == 0}, write_mode=mode)
     digest = _digest(tensors, specs, world_size)
     return _Planned(prep, digest, _save_id(digest, prep))
 
@@ -226,7 +230,8 @@ def _save_alone(storage: Storage, directory: str, planned: _Planned, *, refuse_e
         if refuse_existing:
             _refuse_existing(storage, directory, prep.rank, prep.world_size)
         withdraw(storage, directory, prep.rank, commit=True)   # any rank may be the one that commits
-        written = write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()))
+        written = write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()),
+                                  mode=prep.write_mode)
         write_json(storage, storage.join(directory, rank_manifest_name(prep.rank)),
                    _rank_record(prep, written, planned.save_id))
         every = _every_rank_written(storage, directory, prep, planned.save_id, written)

@@ -259,7 +259,7 @@ class Storage:
         raise NotImplementedError
 
     def open_sink(self, f: BinaryIO, durable: bool = True, checksum: bool = False, size_bytes: int | None = None,
-                  inline: bool = False, page_cache: bool = False):
+                  inline: bool = False, mode=None):
         """The fastest way this store takes a file's bytes in order, given the file
         object :meth:`atomic_writer` yielded: an object with ``write(piece)``,
         ``drain()`` (wait for what was handed over), ``close()`` and ``hasher``.
@@ -270,8 +270,10 @@ class Storage:
         ``inline`` says the caller has nothing to do between pieces (every
         tensor is plain CPU memory): a backend that would hand buffered writes
         to a thread may make them in the caller's thread instead (the local
-        one does: a thread then only adds hand-offs). ``page_cache`` asks a backend
-        that can write past the page cache (the local one, ``O_DIRECT``) not to.
+        one does: a thread then only adds hand-offs). ``mode`` (a
+        ``fast_io.write_mode.WriteMode``; None: a blocking save's) tells a backend
+        that can write past the page cache (the local one, ``O_DIRECT``) whether
+        to, and at what pace; the others ignore it.
 
         A sink may also have ``piece_bytes``: the size of the pieces it takes
         best (an object store's part size); without it writers hand over

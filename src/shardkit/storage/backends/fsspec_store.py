@@ -239,13 +239,13 @@ class FsspecStorage(Storage):
         return (S3RangeReader if self._protocol in _S3 else RangeReader)(path, self.fs, stripped, size)
 
     def open_sink(self, f, durable: bool = True, checksum: bool = False, size_bytes: int | None = None,
-                  inline: bool = False, page_cache: bool = False):
+                  inline: bool = False, mode=None):
         """S3: the writer's pieces go out as upload parts without a copy (``storage.backends.s3_upload``);
         other stores: sequential writes (``Storage.open_sink``)."""
         if isinstance(f, S3MultipartWriter):
             f.expect_bytes(size_bytes)
             return S3PartSink(f)
-        return super().open_sink(f, durable, checksum, size_bytes, inline, page_cache)
+        return super().open_sink(f, durable, checksum, size_bytes, inline, mode)
 
     def writer_lock(self, directory: str, *, slot: int = 0, holder: str = ""):
         # No advisory locks on object stores, and a marker object would stay behind a

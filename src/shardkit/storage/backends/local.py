@@ -241,15 +241,16 @@ class LocalStorage(Storage):
             raise MissingShardError(f"{path} does not exist") from e
 
     def open_sink(self, f, durable: bool = True, checksum: bool = False, size_bytes: int | None = None,
-                  inline: bool = False, page_cache: bool = False):
-        """``O_DIRECT`` for durable writes where the file system takes it (unless ``page_cache``), else
+                  inline: bool = False, mode=None):
+        """``O_DIRECT`` for durable writes where the file system takes it (as ``mode`` says), else
         positional buffered writes from a few threads (``storage.fast_io.sinks``), or
         from the calling thread with ``inline``; a small file (``size_bytes``
         under ``knobs.SMALL_FILE_BYTES``) is written inline too, made durable
         by the publish's fsync."""
+        from shardkit.storage.fast_io.write_mode import FOREGROUND
         from shardkit.storage.fast_io.sinks import local_sink
 
-        return local_sink(f.fileno(), durable, checksum, size_bytes, inline, page_cache)
+        return local_sink(f.fileno(), durable, checksum, size_bytes, inline, mode or FOREGROUND)
 
     def open_reader(self, path: str) -> Reader:
         try:

@@ -57,6 +57,7 @@ import threading
 from shardkit import knobs
 from shardkit.storage.checksum import BlockHasher, FileRecord, combine_block_digests
 from shardkit.storage.fast_io.memcopy import buffer_address
+from shardkit.storage.fast_io.write_mode import FOREGROUND, Pace, WriteMode
 
 try:
     from shardkit._stream_copy import DirectWriter
@@ -71,21 +72,23 @@ __all__ = ["DirectSink", "open_direct_sink", "ALIGN_BYTES"]
 ALIGN_BYTES = 4096
 
 
-def open_direct_sink(fd: int, hasher: BlockHasher | None = None, *, o_direct: bool = True) -> "DirectSink | None":
+def open_direct_sink(fd: int, hasher: BlockHasher | None = None, *, mode: WriteMode = FOREGROUND
+                     ) -> "DirectSink | None":
     """Turn on ``O_DIRECT`` for ``fd`` and return a sink for it; None where that is not possible.
 
-    ``hasher`` (optional) is fed the bytes written, in file order. ``o_direct=False``: the same
-    writer (its copy, hashing and writes in C, the GIL released) through the page cache.
+    ``hasher`` (optional) is fed the bytes written, in file order. ``mode.o_direct=False``: the same
+    writer (its copy, hashing and writes in C, the GIL released) through the page cache;
+    ``mode.pace``: its pace (see :class:`Pace`).
     """
     if not knobs.DIRECT_IO or not hasattr(os, "O_DIRECT") or DirectWriter is None:
         return None
-    if not o_direct:
-        return DirectSink(fd, hasher)
+    if not mode.o_direct:
+        return DirectSink(fd, hasher, pace=mode.pace)
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
     except OSError:
         return None  # e.g. a file system without direct I/O
-    return DirectSink(fd, hasher)
+    return DirectSink(fd, hasher, pace=mode.pace)
 
 
 class _Bounce:
@@ -151,16 +154,21 @@ class DirectSink:
     write full buffers while the next ones fill. With a ``hasher``, each
     written buffer's bytes are hashed again before it is reused: the
     records of the source bytes (:meth:`source_record`) and of the written
-    ones (``hasher.finish()``) are compared by the caller.
+    ones (``hasher.finish()``) are compared by the caller. A ``pace`` (:class:`Pace`)
+    sets its speed until the pace is lifted.
     """
 
-    def __init__(self, fd: int, hasher: BlockHasher | None = None):
+    def __init__(self, fd: int, hasher: BlockHasher | None = None, *, pace: Pace | None = None):
         self._fd = fd
         self._block_bytes = max(ALIGN_BYTES, knobs.DIRECT_IO_BLOCK_BYTES // ALIGN_BYTES * ALIGN_BYTES)
         self._buffers = [_POOL.take(self._block_bytes) for _ in range(max(1, knobs.DIRECT_IO_QUEUE_DEPTH))]
         self._hash_bytes = hasher.block_bytes if hasher is not None else 0
         self._engine = DirectWriter(fd, [b.addr for b in self._buffers], self._block_bytes, self._hash_bytes,
-                                    None if os.pwrite is posix.pwrite else os.pwrite)
+                                    None if os.pwrite is posix.pwrite else os.pwrite,
+                                    1.0 if pace is None else pace.share)
+        self._pace = pace
+        if pace is not None and pace.join(self._engine) == 1.0:
+            self._engine.hurry()  # lifted between reading the share and joining
         self._written: tuple[int, list[str], list[str]] | None = None
         self.hasher = _Digests(self._hash_bytes, 2) if hasher is not None else None
         self.hashes_source = hasher is not None  # the writer need not hash the pieces itself
@@ -186,6 +194,8 @@ class DirectSink:
                 if self.hasher is not None:
                     self.hasher.done = written
         finally:
+            if self._pace is not None:
+                self._pace.leave(self._engine)
             self._engine.abort()
             for buf in self._buffers:
                 _POOL.give(buf)

@@ -20,21 +20,22 @@ from shardkit import knobs
 from shardkit.storage.backends.atomic import start_writeback
 from shardkit.storage.checksum import BlockHasher
 from shardkit.storage.fast_io.direct_io import open_direct_sink
+from shardkit.storage.fast_io.write_mode import FOREGROUND, WriteMode
 
 __all__ = ["local_sink", "PositionalSink"]
 
 
 def local_sink(fd: int, durable: bool, checksum: bool = False, size_bytes: int | None = None,
-                inline: bool = False, page_cache: bool = False):
+                inline: bool = False, mode: WriteMode = FOREGROUND):
     """Direct I/O for durable writes where the file system takes it (hashing the bytes it writes
-    when ``checksum``; with ``page_cache``, the same writer without ``O_DIRECT``), else positional
+    when ``checksum``; written and paced as ``mode`` says), else positional
     buffered writes (``LocalStorage.open_sink``); a file
     known to be under ``knobs.SMALL_FILE_BYTES`` is written inline (the publish's fsync makes it
     durable), and so are buffered writes when ``inline`` says the caller has nothing to overlap."""
     if size_bytes is not None and size_bytes < knobs.SMALL_FILE_BYTES:
         return PositionalSink(fd, start_writeback=False, threads=0)
     hasher = BlockHasher(knobs.CHECKSUM_BLOCK_BYTES) if checksum else None
-    direct = open_direct_sink(fd, hasher, o_direct=not page_cache) if durable else None
+    direct = open_direct_sink(fd, hasher, mode=mode) if durable else None
     return direct if direct is not None else PositionalSink(fd, durable, threads=0 if inline else None)
 
 

@@ -78,7 +78,7 @@ def write_safetensors(
     *,
     checksum: bool = True,
     durable: bool = True,
-    page_cache: bool = False,
+    mode=None,
 ) -> FileRecord | None:
     """Write ``named_tensors`` as one safetensors file at ``path``, atomically; return its record.
 
@@ -89,8 +89,9 @@ def write_safetensors(
     before the next one is produced, so memory holds about one of them.
     ``checksum=False`` skips the block hashes (for formats with nowhere to
     keep them, e.g. Hugging Face shards) and returns None. ``durable=False``
-    skips early writeback and fsync (see ``Storage.atomic_writer``); ``page_cache`` writes through the
-    page cache where the store could write past it (``Storage.open_sink``). The record carries the header's
+    skips early writeback and fsync (see ``Storage.atomic_writer``); ``mode`` (a
+    ``fast_io.write_mode.WriteMode``; None: a blocking save's) says how a local durable write treats
+    the machine: past the page cache or through it, and at what pace (``Storage.open_sink``). The record carries the header's
     own checksum (``FileRecord.header_checksum``), so a reader checks the header without the first block.
     """
     layout = file_layout([(name, to_safetensors_name(t.dtype), tuple(t.shape)) for name, t in named_tensors],
@@ -101,7 +102,7 @@ def write_safetensors(
     inline = all(_ready_as_is(t) for _, t in named_tensors)
     with storage.atomic_writer(path, durable) as f:
         sink = storage.open_sink(f, durable, checksum, size_bytes=layout.size_bytes, inline=inline,
-                                 page_cache=page_cache)
+                                 mode=mode)
         if getattr(sink, "hashes_source", False) or (not checksum and hasattr(sink, "write_many")):
             record = _write_in_one_pass(path, sink, layout.header, order, checksum)
         else:

@@ -1,0 +1,120 @@
+"""How a durable local write treats the machine it shares with training: past the page cache or
+through it, and at what pace.
+
+A background save that writes at the disk's full speed costs a training loop
+on the same machine CPU time per byte (the kernel's and the hypervisor's I/O
+work, the memory bus), all of it while the save runs: on the 2-core VM,
+300 MiB written in the background at full speed slowed a tiny Llama's steps
+by +15-33%, and so did another process writing the same bytes with
+``O_DIRECT`` as fast. Paced to a quarter of the disk's speed, the same save
+slowed them by about 5% or less, for about the same training time lost per
+save. So background saves (``WriteMode.background()``) are paced, at
+``knobs.BACKGROUND_DISK_SHARE``, and blocking ones (:data:`FOREGROUND`) are not.
+
+The pacing itself is the C writer's (``_direct_writer.c``); this module holds
+what the save layers pass down to it. Not here: opening or writing files
+(``direct_io``, ``sinks``).
+
+Example::
+
+    mode = WriteMode.background()      # knobs.BACKGROUND_DIRECT_IO, BACKGROUND_DISK_SHARE
+    write_safetensors(storage, path, named, mode=mode)   # on a background thread
+    mode.hurry()                       # from the thread that now waits for it: full speed
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from shardkit import knobs
+
+__all__ = ["Pace", "WriteMode", "FOREGROUND"]
+
+
+class Pace:
+    """The share of the disk's speed one background save's writers use, until :meth:`hurry` lifts it.
+
+    ``share`` in (0, 1]: below 1 a direct sink writes one buffer at a time and
+    rests after each for ``(1 - share) / share`` times as long as the write
+    took, so it runs at that share of the disk's speed, whatever the disk
+    (``_direct_writer.c``). Every sink the save opens joins the pace;
+    :meth:`hurry` (called when someone blocks on the save: nobody is training
+    then) ends the rests of the sinks writing now and of those opened later.
+    What it does not do: pace writes that are not direct-sink writes (small
+    files, object stores, buffered fallbacks).
+
+    Example::
+
+        pace = Pace(0.25)
+        open_direct_sink(fd, hasher, mode=WriteMode(pace=pace))   # a quarter of the disk's speed
+        pace.hurry()                                               # full speed from now on
+    """
+
+    def __init__(self, share: float):
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"a background save's disk share must be in (0, 1], got {share!r} "
+                             f"(knobs.BACKGROUND_DISK_SHARE); 1 writes at full speed, 0.25 at a quarter of it")
+        self._share = self.asked_share = float(share)   # asked_share: what the save was given
+        self._lock = threading.Lock()
+        self._engines: set = set()
+
+    @property
+    def share(self) -> float:
+        """The share now: ``asked_share`` until :meth:`hurry`, then 1."""
+        return self._share
+
+    def join(self, engine) -> float:
+        """The share a new writer ``engine`` (a ``DirectWriter``) starts at; :meth:`hurry` reaches it
+        until :meth:`leave`."""
+        with self._lock:
+            if self._share < 1.0:
+                self._engines.add(engine)
+            return self._share
+
+    def leave(self, engine) -> None:
+        with self._lock:
+            self._engines.discard(engine)
+
+    def hurry(self) -> None:
+        """Full speed from now on, for the writers writing now and any opened later. Idempotent."""
+        with self._lock:
+            self._share, engines = 1.0, list(self._engines)
+            self._engines.clear()
+        for engine in engines:
+            engine.hurry()
+
+
+@dataclass(frozen=True)
+class WriteMode:
+    """How a durable local write treats the machine it shares with training.
+
+    ``o_direct``: write past the page cache (False: the same C writer through
+    it). ``pace``: a :class:`Pace` shared by the files of one background save
+    (None: full speed). :data:`FOREGROUND` is ``save``'s; :meth:`background`
+    makes a background save's, from the knobs.
+
+    Example::
+
+        mode = WriteMode.background()      # knobs.BACKGROUND_DIRECT_IO, BACKGROUND_DISK_SHARE
+        ...                                # the save's files written with it
+        mode.hurry()                       # the caller now waits for the save: full speed
+    """
+
+    o_direct: bool = True
+    pace: Pace | None = None
+
+    @classmethod
+    def background(cls) -> "WriteMode":
+        """A background save's mode, from ``knobs.BACKGROUND_DIRECT_IO`` and ``knobs.BACKGROUND_DISK_SHARE``
+        (read now; ``ValueError`` for a share outside (0, 1])."""
+        return cls(o_direct=knobs.BACKGROUND_DIRECT_IO, pace=Pace(knobs.BACKGROUND_DISK_SHARE))
+
+    def hurry(self) -> None:
+        """Lift the pace, if any (:meth:`Pace.hurry`)."""
+        if self.pace is not None:
+            self.pace.hurry()
+
+
+#: Blocking saves: ``O_DIRECT``, unpaced.
+FOREGROUND = WriteMode()
