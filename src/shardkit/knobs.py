@@ -153,12 +153,13 @@ BACKGROUND_DIRECT_IO: bool = True
 #: The share of the wall time a background save keeps the disk busy, in (0, 1]: below 1 its writer
 #: writes one ``DIRECT_IO_BLOCK_BYTES`` block at a time and rests after each for (1 - share) / share
 #: times as long as the write took, so it runs at that share of the disk's speed, whatever the disk
-#: (``storage.fast_io.write_mode.WriteMode``). Writing at full speed costs a training loop on the same
-#: machine CPU time per byte (the kernel's and the hypervisor's I/O work, the memory bus), all of it
-#: while the save runs. Beside a tiny Llama on 1 thread (``shardkit bench --only gil``, 300 MiB,
-#: 2-core VM) full speed slowed the steps in flight by +20-30%, another process writing the same
-#: bytes with O_DIRECT as fast by +20% too; paced at 0.5 and 0.33 they slowed +9% and +5%, for about
-#: the same training time lost per save, the save lasting 2x and 3x as long. ``save`` is never paced.
+#: (``storage.fast_io.write_mode``); a blocking wait on the save (``wait()``, the manager's next
+#: ``save``, ``close()``, the exit) lifts the pace. ``save`` is never paced. Writing at full speed
+#: costs a training loop on the same machine CPU time per byte, all of it while the save runs. Beside
+#: a tiny Llama on 1 thread (``shardkit bench --only gil``, 300 MiB, 2-core VM, 4 runs of 5 saves):
+#: at full speed the steps in flight ran +15%, +29%, +34%, +28% slower; at 0.25, +5%, -2%, +23%, +3%
+#: (single saves from -13% to +36%: the machine's own noise), the save in flight 0.85-0.97 s instead
+#: of 0.26-0.28 s, the training time lost per save about the same.
 BACKGROUND_DISK_SHARE: float = 0.25
 DIRECT_IO_BLOCK_BYTES: int = 16 * 1024 * 1024
 DIRECT_IO_QUEUE_DEPTH: int = 4
