@@ -46,7 +46,8 @@ from shardkit.checkpoint.planning.load_names import LoadOptions
 from shardkit.checkpoint.load_source import load_from_source
 from shardkit.checkpoint.logs import logged
 from shardkit.checkpoint.background.shutdown import join_at_exit
-from shardkit.checkpoint.background.staging import stage
+from shardkit.checkpoint.background import staged_proof
+from shardkit.checkpoint.background.staging import stage_against
 from shardkit.checkpoint.background.staging_reserve import StagingReserve
 from shardkit.errors import AsyncCheckpointError
 from shardkit.sources.opening import open_source
@@ -225,16 +226,21 @@ def stage_for_background(prep, background, dir) -> None:
         idle = previous is None or previous.done()
         buffers = _STAGING.pop(key, {}) if idle else {}
         reserve = _RESERVES.pop(key, None) if idle else None
+    last = staged_proof.take(key)    # the buffers are overwritten from here on
     unfaulted: set[int] = set()
     if reserve is not None:
         buffers, unfaulted = reserve.take()
+    storage = storage_for(dir)[0]
+    proving = staged_proof.comparable(last, prep, storage, buffers)
     try:
-        prep.to_write, used = stage(prep.to_write, buffers, unfaulted=unfaulted)
+        prep.to_write, used, same = stage_against(prep.to_write, buffers, compare={(n,) for n in proving},
+                                                  unfaulted=unfaulted)
     except Exception as e:
         if background is not None:
             start_background(prep, dir, background, failed=e).mark_reported()  # raised below, not at exit
         raise AsyncCheckpointError(f"staging the save to {dir} failed before anything was written: "
                                    f"{type(e).__name__}: {e}. Free host memory (or save less) and save again") from e
+    prep.proven = {path[0]: proving[path[0]].where for path in same}
     with _BACKGROUND_LOCK:
         _STAGING[key] = used
 
@@ -276,6 +282,8 @@ def start_background(prep, dir, background, *, before_write=None, after=None,
 
     def work():
         write_and_commit(prep, storage, directory, background, before_write, failed=failed)
+        if failed is None:    # committed: its staging buffers may prove the next incremental save
+            staged_proof.keep(_key(background), staged_proof.committed(prep, storage, directory))
         if after is not None:
             after()
 

@@ -182,13 +182,13 @@ def _staging_fails_on_rank_1(rank, world_size, root):
     import shardkit.checkpoint.api as api
     from shardkit.errors import AsyncCheckpointError
 
-    real_stage = {"api": api.stage, "async": async_save_module.stage}
+    real_stage = {"api": api.stage_against, "async": async_save_module.stage}
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: not enough memory (simulated)")
 
     def staging_fails(fails: bool):
-        api.stage = out_of_memory if fails else real_stage["api"]
+        api.stage_against = out_of_memory if fails else real_stage["api"]
         async_save_module.stage = out_of_memory if fails else real_stage["async"]
 
     seen = {}

@@ -14,6 +14,13 @@ a trap per page), so the copy of chunk ``i`` overlaps the faulting of chunk
 ``i + 1``: on a VM that hands out fresh memory slowly, the page faults are
 most of a first save's cost.
 
+An incremental background save may ask for some leaves to be *compared*
+first (``stage_against``): each piece of such a leaf is compared with what
+its buffer already holds (libc ``memcmp``), and copied only where it
+differs; a leaf none of whose pieces differed is reported unchanged, its
+buffer holding exactly its bytes (``api.stage_for_background`` then proves it
+unchanged since the save that buffer was written for).
+
 Example::
 
     staged, buffers = stage(state, buffers={})         # later saves: pass buffers back in
@@ -28,15 +35,25 @@ from typing import Any, Callable, Collection, Iterable, Mapping
 import torch
 
 from shardkit import knobs
+from shardkit.checkpoint.saving.byte_proof import equal_at
 from shardkit.storage import run_parallel
 from shardkit.storage.fast_io.memcopy import copy_bytes
 from shardkit.storage.fast_io.prefault import populate_for_write
 
-__all__ = ["stage", "copy_host", "buffer_for", "map_leaves"]
+__all__ = ["stage", "stage_against", "copy_host", "buffer_for", "map_leaves"]
 
 
 def stage(state, buffers: dict[tuple, torch.Tensor], *, unfaulted: Collection[int] = ()):
     """Copy every tensor leaf of ``state`` into a CPU buffer; return (staged state, buffers used).
+    See :func:`stage_against`, which this is with nothing to compare."""
+    staged, used, _ = stage_against(state, buffers, unfaulted=unfaulted)
+    return staged, used
+
+
+def stage_against(state, buffers: dict[tuple, torch.Tensor], *, compare: Collection[tuple] = (),
+                  unfaulted: Collection[int] = ()):
+    """Copy every tensor leaf of ``state`` into a CPU buffer; return (staged state, buffers used, the
+    paths among ``compare`` whose buffer already held exactly the leaf's bytes).
 
     Containers are rebuilt (so later changes to the caller's dicts do not
     leak in); plain leaves are shared, being immutable. Buffers from
@@ -45,9 +62,13 @@ def stage(state, buffers: dict[tuple, torch.Tensor], *, unfaulted: Collection[in
     host tensors are copied by :func:`copy_host` in one batch, which faults
     the new host buffers in ahead of the copy, and those of ``buffers``
     whose ``id`` is in ``unfaulted`` (allocated but maybe not yet faulted in:
-    a ``StagingReserve`` stopped early).
+    a ``StagingReserve`` stopped early). ``compare``: paths of host leaves whose kept buffer is
+    compared piece by piece first, each piece copied only where it differs; a leaf that cannot be
+    compared as raw bytes (a device tensor, a view that is not one run of bytes, a new buffer) is
+    copied and never reported unchanged.
     """
     used: dict[tuple, torch.Tensor] = {}
+    compared: dict[int, tuple] = {}
     devices: set[torch.device] = set()
     host_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     fresh: list[torch.Tensor] = []
@@ -60,6 +81,8 @@ def stage(state, buffers: dict[tuple, torch.Tensor], *, unfaulted: Collection[in
             host_pairs.append((buf, src))
             if new or id(buf) in unfaulted:
                 fresh.append(buf)
+            elif path in compare and _raw_bytes_ok(buf, src):
+                compared[id(buf)] = path
         else:  # non-blocking into pinned memory, synchronized below; other devices copy before returning
             buf.copy_(src, non_blocking=pin)
             devices.add(src.device)
@@ -67,11 +90,11 @@ def stage(state, buffers: dict[tuple, torch.Tensor], *, unfaulted: Collection[in
         return buf
 
     staged = map_leaves(state, (), copy_leaf)
-    copy_host(host_pairs, fresh=fresh)
+    differed = copy_host(host_pairs, fresh=fresh, compare=compared.keys())
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return staged, used
+    return staged, used, {path for buf_id, path in compared.items() if buf_id not in differed}
 
 
 def buffer_for(old: torch.Tensor | None, shape, dtype: torch.dtype, *, pinned: bool) -> tuple[torch.Tensor, bool]:
@@ -82,19 +105,25 @@ def buffer_for(old: torch.Tensor | None, shape, dtype: torch.dtype, *, pinned: b
     return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned), True
 
 
-def _copy_all(moves: list[tuple[int, int, int, bool]]) -> None:
-    for dst, src, nbytes, _fresh in moves:
+def _copy_all(moves: list[tuple], differed: set[int]) -> None:
+    """Copy each move; one with a buffer id (``compare``) only where its bytes differ, noting the id in
+    ``differed`` then (set.add is atomic under the GIL)."""
+    for dst, src, nbytes, _fresh, compared in moves:
+        if compared is not None and equal_at(dst, src, nbytes):    # memcmp, the GIL released
+            continue
+        if compared is not None:
+            differed.add(compared)
         copy_bytes(dst, src, nbytes)  # releases the GIL while it copies
 
 
-def _prefault_ahead(jobs: list[list[tuple[int, int, int, bool]]], ready: list[threading.Event],
+def _prefault_ahead(jobs: list[list[tuple]], ready: list[threading.Event],
                     first: int = 0, stride: int = 1) -> None:
     """Fault in the fresh destinations of jobs ``first``, ``first + stride``, ... in turn, releasing each
     job's copy as soon as its pages are in."""
     mine = range(first, len(jobs), stride)
     try:
         for i in mine:
-            for dst, _src, nbytes, fresh in jobs[i]:
+            for dst, _src, nbytes, fresh, _compared in jobs[i]:
                 if fresh:
                     populate_for_write(dst, nbytes)  # False (not available): the copy faults them itself
             ready[i].set()
@@ -108,9 +137,9 @@ def _prefault_helpers() -> int:
     return max(1, min(os.cpu_count() or 1, knobs.IO_THREADS - 1))
 
 
-def _copy_when_ready(job: list[tuple[int, int, int, bool]], ready: threading.Event) -> None:
+def _copy_when_ready(job: list[tuple], ready: threading.Event, differed: set[int]) -> None:
     ready.wait()
-    _copy_all(job)
+    _copy_all(job, differed)
 
 
 def _batches(moves: list[tuple], batch_bytes: int) -> list[list[tuple]]:
@@ -134,8 +163,10 @@ def _raw_bytes_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and src.dtype == dst.dtype and src.shape == dst.shape)
 
 
-def copy_host(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, fresh: Iterable[torch.Tensor] = ()) -> None:
-    """Copy each CPU ``src`` into its CPU ``dst`` (same shape and dtype), in chunks on the I/O threads.
+def copy_host(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, fresh: Iterable[torch.Tensor] = (),
+              compare: Collection[int] = ()) -> set[int]:
+    """Copy each CPU ``src`` into its CPU ``dst`` (same shape and dtype), in chunks on the I/O threads;
+    return the ids among ``compare`` (``id(dst)`` of plain runs of bytes) whose bytes differed.
 
     Contiguous tensors are copied as runs of bytes (``storage.fast_io.memcopy.copy_bytes``:
     non-temporal stores where available), cut into ``knobs.IO_CHUNK_BYTES``
@@ -163,23 +194,28 @@ def copy_host(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, fresh: Iterable
     """
     step = max(1, knobs.IO_CHUNK_BYTES)
     fresh_ids = {id(t) for t in fresh} if knobs.STAGING_PREFAULT else set()
+    compare, differed = set(compare), set()
     moves = []
     for dst, src in pairs:
         nbytes = src.numel() * src.element_size()
         if not _raw_bytes_ok(dst, src):
             dst.copy_(src)
+            if id(dst) in compare:
+                differed.add(id(dst))
         elif nbytes:
-            new = id(dst) in fresh_ids
-            moves += [(dst.data_ptr() + off, src.data_ptr() + off, min(step, nbytes - off), new)
+            new, compared = id(dst) in fresh_ids, (id(dst) if id(dst) in compare else None)
+            moves += [(dst.data_ptr() + off, src.data_ptr() + off, min(step, nbytes - off), new, compared)
                       for off in range(0, nbytes, step)]
     jobs = _batches(moves, step)
     if not any(move[3] for move in moves):
-        run_parallel([lambda job=job: _copy_all(job) for job in jobs])
-        return
+        run_parallel([lambda job=job: _copy_all(job, differed) for job in jobs])
+        return differed
     ready = [threading.Event() for _ in jobs]
     helpers = _prefault_helpers()
     run_parallel([lambda first=first: _prefault_ahead(jobs, ready, first, helpers) for first in range(helpers)]
-                 + [lambda job=job, event=event: _copy_when_ready(job, event) for job, event in zip(jobs, ready)])
+                 + [lambda job=job, event=event: _copy_when_ready(job, event, differed)
+                    for job, event in zip(jobs, ready)])
+    return differed
 
 
 def map_leaves(node: Any, path: tuple, fn: Callable[[tuple, torch.Tensor], torch.Tensor]) -> Any:

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -63,6 +63,7 @@ from shardkit.checkpoint.planning.dtensor_layout import local_box
 from shardkit.checkpoint.coordination.agreement import agree, attempt, describe as describe_error
 from shardkit.checkpoint.coordination.group import SLOT_BYTES, exchange
 from shardkit.checkpoint.saving.incremental import read_base, used_bases, write_changed
+from shardkit.checkpoint.saving.prepared import Prepared
 from shardkit.checkpoint.format.manifest import (
     COMPACT_VERSION, METADATA_FILE, Manifest, SavedTensor, data_file_name, manifest_to_json, rank_manifest_name,
     write_json,
@@ -81,26 +82,6 @@ from shardkit.storage.fast_io.write_mode import FOREGROUND, WriteMode
 from shardkit.storage.json_io import gc_paused
 
 __all__ = ["Prepared", "prepare", "write_and_commit", "snapshot_metadata", "withdraw", "write_data_file", "commit"]
-
-
-@dataclass
-class Prepared:
-    """A planned save: what this rank writes, and (rank 0, or whoever commits) what ``metadata.json`` holds."""
-
-    rank: int
-    world_size: int
-    full_plan: Callable[[], ChunkPlan | GridPlan]    # every rank's writes (rank 0 calls it when it commits)
-    to_write: dict[str, torch.Tensor]     # name -> the local tensor this rank writes
-    objects: dict[str, Any]
-    structure: Any
-    user_metadata: dict
-    split_dims: dict[str, int] = field(default_factory=dict)   # name -> shard_spec dimension (save_distributed)
-    #: name -> shard_spec sizes, for the split tensors without an element (no chunk tells their sizes)
-    empty_split_sizes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    boxes: dict[str, tuple] = field(default_factory=dict)   # name -> (full shape, this rank's Box) of to_write
-    base_dir: str | None = None      # incremental save: the sibling checkpoint unchanged chunks are referenced in
-    base_view: Any = None            # its BaseView, read by the writing step (incremental.read_base)
-    write_mode: WriteMode = FOREGROUND    # background saves: WriteMode.background() (the knobs)
 
 
 _WITHDRAW_STEP = "locking the directory and withdrawing the previous metadata"
@@ -253,15 +234,18 @@ def write_data_file(storage: Storage, directory: str, rank: int, world_size: int
 def _write_file(storage: Storage, directory: str, prep: Prepared) -> dict:
     """Write this rank's file; with a base, only the chunks whose bytes differ from the base's (the
     others are reported as ``refs``: ``name -> [file key, begin, end]``, for the commit). The file
-    may be published twice (``incremental.write_changed``); the commit checks the last one."""
+    may be published twice (``incremental.write_changed``); the commit checks the last one. The
+    result is kept as ``prep.written`` too (what the next save's staging proof starts from)."""
     if prep.base_dir is None:
-        return write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()),
-                               mode=prep.write_mode)
+        prep.written = write_data_file(storage, directory, prep.rank, prep.world_size, list(prep.to_write.items()),
+                                       mode=prep.write_mode)
+        return prep.written
     prep.base_view = view = read_base(storage, directory, prep.base_dir)
     written, refs = write_changed(storage, directory, view, prep.boxes, prep.to_write,
                                   lambda named: write_data_file(storage, directory, prep.rank, prep.world_size, named,
-                                                                mode=prep.write_mode))
-    return {**written, "refs": refs, "base": view.save_id}
+                                                                mode=prep.write_mode), proven=prep.proven)
+    prep.written = {**written, "refs": refs, "base": view.save_id}
+    return prep.written
 
 
 def _check_written(rank: int, layout: FileLayout, written: dict) -> FileRecord:

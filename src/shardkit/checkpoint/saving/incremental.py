@@ -132,7 +132,8 @@ def _header_range(reader: Reader, headers: dict, key: str, record: FileRecord, n
 
 
 def write_changed(storage: Storage, directory: str, view: BaseView, boxes: dict[str, tuple[tuple[int, ...], Box]],
-                  to_write: dict, write: Callable[[list], dict]) -> tuple[dict, dict[str, list]]:
+                  to_write: dict, write: Callable[[list], dict], *, proven: dict[str, tuple[str, str]] | None = None
+                  ) -> tuple[dict, dict[str, list]]:
     """Write the tensors of ``to_write`` whose bytes are not proven equal to the base's, with ``write``
     (``named -> result``, publishing one file atomically); return ``(write's result, refs)``, ``refs``
     being ``name -> [file key, begin, end]`` for each tensor referenced instead (box ``boxes[name]``).
@@ -142,19 +143,28 @@ def write_changed(storage: Storage, directory: str, view: BaseView, boxes: dict[
     rest show another difference (one past a tensor's first piece), the file is written again, whole,
     with that tensor too, before this returns: ``write``'s last result is always the file of exactly
     the tensors absent from ``refs``, and until the caller commits nothing names it. A tensor that is
-    not a plain ``torch.Tensor`` (a lazy one) or has no element is written, never compared."""
+    not a plain ``torch.Tensor`` (a lazy one) or has no element is written, never compared.
+
+    ``proven``: ``name -> (file key, file record checksum)`` of tensors already proven equal to the
+    bytes at that place (``checkpoint.background.staged_proof``). Such a tensor is referenced without
+    a comparison only where the base keeps its chunk in that very file, recorded with that very
+    checksum (the base read now is the checkpoint the proof was made against); else it is compared."""
     readers: dict[str, Reader] = {}
     proof = None
     try:
         found = _candidates(storage, directory, view, boxes, to_write, readers)
+        proven = proven or {}
+        known = [(c, key) for c, key in found if proven.get(c.name) == (key, view.records[key].checksum)]
+        found = [(c, key) for c, key in found if proven.get(c.name) != (key, view.records[key].checksum)]
         proof = ByteProof([c for c, _ in found], digest_first=not storage.renames_directories)
         proof.probe()
         early = {found[i][0].name for i in proof.changed()}
-        compared = {c.name for c, _ in found}
+        compared = {c.name for c, _ in found} | {c.name for c, _ in known}
         first = [(n, t) for n, t in to_write.items() if n not in compared or n in early]
         result: dict = {}
         run_parallel([lambda: result.__setitem__("written", write(first)), *proof.jobs()])
-        refs = {found[i][0].name: [found[i][1], found[i][0].begin, found[i][0].end] for i in proof.equal()}
+        equal = [found[i] for i in proof.equal()] + known
+        refs = {c.name: [key, c.begin, c.end] for c, key in equal}
         if len(refs) + len(first) < len(to_write):     # a difference past a first piece: write it too
             result["written"] = write([(n, t) for n, t in to_write.items() if n not in refs])
         return result["written"], refs
