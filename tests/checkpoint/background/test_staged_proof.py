@@ -109,19 +109,26 @@ def test_a_failed_save_leaves_nothing_to_prove_with(tmp_path, compared, monkeypa
     _loads_exactly(tmp_path / "s1", state)
 
 
-def test_buffers_of_a_failed_queued_save_prove_nothing_against_the_save_before_it(tmp_path, compared, monkeypatch):
-    # A is in flight while B stages into buffers of its own; A commits, B fails. The buffers kept are B's
-    # (they hold B's values), the record A's: the next save must not take B's buffers for A's bytes.
+def _hold_writes(monkeypatch, held: str, failing: str | None = None) -> threading.Event:
+    """Background saves into a directory ending with ``held`` wait for the returned event before they
+    write; those ending with ``failing`` fail there."""
     gate, real = threading.Event(), api.write_and_commit
 
-    def held_or_failing(prep, storage, directory, *args, **kwargs):
-        if directory.endswith("/A"):
+    def gated(prep, storage, directory, *args, **kwargs):
+        if directory.endswith(held):
             assert gate.wait(30)
-        if directory.endswith("/B"):
+        if failing is not None and directory.endswith(failing):
             raise OSError(5, "the disk went away")
         return real(prep, storage, directory, *args, **kwargs)
 
-    monkeypatch.setattr(api, "write_and_commit", held_or_failing)
+    monkeypatch.setattr(api, "write_and_commit", gated)
+    return gate
+
+
+def test_buffers_of_a_failed_queued_save_prove_nothing_against_the_save_before_it(tmp_path, compared, monkeypatch):
+    # A is in flight while B stages into buffers of its own; A commits, B fails. The buffers kept are B's
+    # (they hold B's values), the record A's: the next save must not take B's buffers for A's bytes.
+    gate = _hold_writes(monkeypatch, held="/A", failing="/B")
     state = _state()
     a = ck.async_save(state, str(tmp_path / "A"))
     state["frozen"].add_(1)
@@ -136,14 +143,7 @@ def test_buffers_of_a_failed_queued_save_prove_nothing_against_the_save_before_i
 
 
 def test_a_save_staged_while_another_is_in_flight_is_compared_with_the_base_file(tmp_path, compared, monkeypatch):
-    gate, real = threading.Event(), api.write_and_commit
-
-    def held(prep, storage, directory, *args, **kwargs):
-        if directory.endswith("/s0"):
-            assert gate.wait(30)
-        return real(prep, storage, directory, *args, **kwargs)
-
-    monkeypatch.setattr(api, "write_and_commit", held)
+    gate = _hold_writes(monkeypatch, held="/s0")
     state = _state()
     first = ck.async_save(state, str(tmp_path / "s0"))
     second = ck.async_save(state, str(tmp_path / "s1"), base=str(tmp_path / "s0"))   # fresh buffers
