@@ -16,8 +16,11 @@ def test_incremental_suite_runs_and_writes_only_the_changed_bytes(tmp_path):
     rows = run_incremental_benchmarks(4 << 20, 1, str(tmp_path))
     by = {(r["case"], r["impl"]): r for r in rows}
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    assert len(cases) == 4 and all(r["median_s"] > 0 for r in rows)
-    few, every, same, scattered = cases
+    assert len(cases) == 5 and all(r["median_s"] > 0 for r in rows)
+    few, every, background, same, scattered = cases
+    in_background = by[(background, "shardkit")]
+    assert in_background["bytes_written"] <= 1.1 * in_background["changed_bytes"]
+    assert (background, "full async_save (no base)") in by
     inc = by[(few, "shardkit")]
     assert inc["changed_bytes"] == (4 << 20) // TENSORS * CHANGED
     assert inc["bytes_written"] <= 1.1 * inc["changed_bytes"]          # the 1.1x target, in bytes
