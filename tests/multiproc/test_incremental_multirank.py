@@ -15,9 +15,12 @@ from shardkit.checkpoint import load_distributed, validate_distributed
 pytestmark = pytest.mark.multiproc
 
 
-def test_two_rank_chain_references_both_ranks_files_and_loads_anywhere(tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["save", "async_save"])
+def test_two_rank_chain_references_both_ranks_files_and_loads_anywhere(tmp_path, background):
     root = str(tmp_path / "run")
-    run_ranks(save_chain_job, 2, tmp_path, root)
+    results = run_ranks(save_chain_job, 2, tmp_path, root, background)
+    if background:   # each rank's staging buffers proved its unchanged chunks: only changed ones met the base file
+        assert all(all(set(c) <= {"head", "bias"} for c in r["compared"]) for r in results), results
     m = json.load(open(f"{root}/step-2/metadata.json"))
     assert m["format_version"] == 3
     referenced = {(c["file"], m["bases"][c["base"]]["dir"]) for t in m["tensor_specs"].values()
