@@ -257,6 +257,7 @@ def reserve_staging(prep, background) -> None:
             raise AsyncCheckpointError(f"a background save to {previous.dir} is still in flight; wait for it "
                                        f"before preparing the next one's staging buffers")
         buffers, earlier = _STAGING.pop(key, {}), _RESERVES.pop(key, None)
+    staged_proof.take(key)    # the buffers go to the reserve: nothing proves with them any more
     unfaulted: set[int] = set()
     if earlier is not None:
         buffers, unfaulted = earlier.take()
@@ -338,5 +339,6 @@ def release_staging(background) -> None:
         reserve = _RESERVES.pop(key, None)
         if previous is None or previous.done():
             _STAGING.pop(key, None)
+            staged_proof.take(key)    # it holds the buffers too
     if reserve is not None:
         reserve.take()  # stops its thread; the buffers go with it

@@ -3,9 +3,11 @@ bytes that may differ: every case where the buffer is not what the base keeps fa
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
+import weakref
 
 import pytest
 import torch
@@ -187,3 +189,21 @@ def test_stage_against_reports_a_leaf_unchanged_only_when_every_byte_matches(mon
     assert same == {("b",)}
     assert all(used[(k,)] is buffers[(k,)] for k in src)
     assert all(torch.equal(staged[k], src[k]) for k in src)    # the differing piece was copied
+
+
+def test_closing_the_manager_frees_the_buffers_the_proof_kept(tmp_path, monkeypatch):
+    from shardkit.checkpoint.background import staged_proof
+
+    kept, real = [], staged_proof.keep
+
+    def spy(key, record):
+        kept.extend(weakref.ref(h.buffer) for h in (record.held.values() if record else ()))
+        real(key, record)
+
+    monkeypatch.setattr(staged_proof, "keep", spy)
+    state = _state()
+    with ck.CheckpointManager(str(tmp_path / "run"), incremental=True) as manager:
+        manager.save(0, state)
+        manager.save(1, state)
+    gc.collect()
+    assert kept and all(ref() is None for ref in kept)
