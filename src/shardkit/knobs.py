@@ -156,10 +156,10 @@ BACKGROUND_DIRECT_IO: bool = True
 #: (``storage.fast_io.write_mode``); a blocking wait on the save (``wait()``, the manager's next
 #: ``save``, ``close()``, the exit) lifts the pace. ``save`` is never paced. Writing at full speed
 #: costs a training loop on the same machine CPU time per byte, all of it while the save runs. Beside
-#: a tiny Llama on 1 thread (``shardkit bench --only gil``, 300 MiB, 2-core VM, 4 runs of 5 saves):
-#: at full speed the steps in flight ran +15%, +29%, +34%, +28% slower; at 0.25, +5%, -2%, +23%, +3%
-#: (single saves from -13% to +36%: the machine's own noise), the save in flight 0.85-0.97 s instead
-#: of 0.26-0.28 s, the training time lost per save about the same.
+#: a tiny Llama on 1 thread (``shardkit bench --only gil``, 300 MiB, 2-core VM, 5 runs of 5-10 saves):
+#: at full speed the steps in flight ran +15%, +29%, +34%, +28%, +29% slower; at 0.25, +5%, -2%, +23%,
+#: +3%, +8% (single saves from -13% to +36%: the machine's own noise), the save in flight 0.81-0.97 s
+#: instead of 0.26-0.28 s, the training time lost per save about the same.
 BACKGROUND_DISK_SHARE: float = 0.25
 DIRECT_IO_BLOCK_BYTES: int = 16 * 1024 * 1024
 DIRECT_IO_QUEUE_DEPTH: int = 4
