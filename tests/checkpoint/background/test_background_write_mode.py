@@ -189,6 +189,10 @@ def test_only_a_wait_that_blocks_asks_the_save_to_hurry():
     assert asked == []
     assert not future.wait_finished(0.01)
     assert asked == [1]
+    assert not future.wait_finished(0.01, hurry=False)   # a watcher while training goes on
+    with pytest.raises(AsyncWaitTimeout):
+        future.wait(0.01, hurry=False)
+    assert asked == [1]
     future.finish()
     future.wait()
     future.hurry()

@@ -52,26 +52,27 @@ class CheckpointFuture:
         """True once the background save has finished, successfully or not."""
         return self._finished.is_set()
 
-    def wait_finished(self, timeout: float | None = None) -> bool:
+    def wait_finished(self, timeout: float | None = None, *, hurry: bool = True) -> bool:
         """Block until the save has finished, successfully or not, without raising its failure.
 
         False when ``timeout`` (seconds) ran out first. Safe to interrupt (a
         KeyboardInterrupt leaves the future as it was), unlike joining the
         save's thread on Python 3.11, which can then call a running thread stopped.
-        A blocking wait lifts the save's pace first (:meth:`hurry`).
+        A blocking wait lifts the save's pace first (:meth:`hurry`) unless ``hurry=False``.
         """
-        if timeout is None or timeout > 0:
+        if hurry and (timeout is None or timeout > 0):
             self.hurry()
         return self._finished.wait(timeout)
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, hurry: bool = True) -> None:
         """Block until the save finished; raise ``AsyncCheckpointError`` if it failed.
 
         ``timeout`` (seconds): give up waiting after that long and raise
         :class:`AsyncWaitTimeout` (a ``TimeoutError``); the save goes on. ``timeout=0`` polls; any
-        other wait lifts the save's pace first (:meth:`hurry`).
+        other wait lifts the save's pace first (:meth:`hurry`), unless ``hurry=False`` (a thread that
+        only watches for the end while training goes on elsewhere).
         """
-        if not self.wait_finished(timeout):
+        if not self.wait_finished(timeout, hurry=hurry):
             raise AsyncWaitTimeout(
                 f"the {self._description} to {self.dir} is still running after waiting "
                 f"{timeout} s (started {time.monotonic() - self._started_s:.1f} s ago); "
