@@ -273,7 +273,7 @@ class Storage:
         one does: a thread then only adds hand-offs). ``mode`` (a
         ``fast_io.write_mode.WriteMode``; None: a blocking save's) tells a backend
         that can write past the page cache (the local one, ``O_DIRECT``) whether
-        to, and at what pace; the others ignore it.
+        to, and at what pace; S3 uploads take the pace too; the others ignore it.
 
         A sink may also have ``piece_bytes``: the size of the pieces it takes
         best (an object store's part size); without it writers hand over

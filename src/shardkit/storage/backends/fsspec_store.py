@@ -240,10 +240,12 @@ class FsspecStorage(Storage):
 
     def open_sink(self, f, durable: bool = True, checksum: bool = False, size_bytes: int | None = None,
                   inline: bool = False, mode=None):
-        """S3: the writer's pieces go out as upload parts without a copy (``storage.backends.s3_upload``);
-        other stores: sequential writes (``Storage.open_sink``)."""
+        """S3: the writer's pieces go out as upload parts without a copy (``storage.backends.s3_upload``),
+        paced by ``mode.pace`` where a background save gives one; other stores: sequential writes
+        (``Storage.open_sink``)."""
         if isinstance(f, S3MultipartWriter):
             f.expect_bytes(size_bytes)
+            f.pace = None if mode is None else mode.pace
             return S3PartSink(f)
         return super().open_sink(f, durable, checksum, size_bytes, inline, mode)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import time
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -129,7 +130,11 @@ class S3MultipartWriter:
     one part is one PUT at commit. Each part's
     CRC-32 is computed on the part's thread (the server checks it), off the
     event loop. Nothing is visible under the key before
-    ``complete_multipart_upload``; :meth:`abort` drops the parts.
+    ``complete_multipart_upload``; :meth:`abort` drops the parts. With a
+    ``pace`` (a background save's ``fast_io.write_mode.Pace``, set by
+    ``FsspecStorage.open_sink``) below full speed, one part is in flight at a
+    time and its thread rests after it (:meth:`Pace.rest_after`), so the
+    upload keeps the network and the CPU busy that share of the time only.
     """
 
     def __init__(self, fs, key: str):
@@ -145,6 +150,7 @@ class S3MultipartWriter:
         self._in_flight: list[Future] = []
         self._pool: ThreadPoolExecutor | None = None
         self._written = 0
+        self.pace = None   # a Pace: a background save's uploads rest between parts (see the class docstring)
 
     def expect_bytes(self, size_bytes: int | None) -> None:
         """Size the parts for a file of ``size_bytes`` (before its first byte): S3 takes at most
@@ -208,6 +214,8 @@ class S3MultipartWriter:
         if self._upload_id is None:
             self._upload_id = self._call("create_multipart_upload", Bucket=self._bucket, Key=self._key)["UploadId"]
             self._pool = ThreadPoolExecutor(in_flight, thread_name_prefix="shardkit-s3-part")
+        if self.pace is not None and self.pace.share < 1.0:
+            in_flight = 1   # paced: one part at a time, each followed by its rest
         self._in_flight = [f for f in self._in_flight if not f.done()]
         while len(self._in_flight) >= in_flight:
             for done in wait(self._in_flight, return_when=FIRST_COMPLETED).done:
@@ -226,8 +234,11 @@ class S3MultipartWriter:
 
     def _upload_part(self, number: int, body: memoryview) -> dict:
         _send_without_expect_continue(self._fs)
+        start_s = time.monotonic()
         out = self._call("upload_part", Bucket=self._bucket, Key=self._key, PartNumber=number,
                          UploadId=self._upload_id, Body=_ViewBody(body), ChecksumCRC32=_crc32_header(body))
+        if self.pace is not None:
+            self.pace.rest_after(time.monotonic() - start_s)   # the slot stays taken while it rests
         return {"PartNumber": number, "ETag": out["ETag"]}
 
     def _call(self, operation: str, **kwargs) -> dict:

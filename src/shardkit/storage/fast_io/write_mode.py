@@ -41,8 +41,8 @@ class Pace:
     (``_direct_writer.c``). Every sink the save opens joins the pace;
     :meth:`hurry` (called when someone blocks on the save: nobody is training
     then) ends the rests of the sinks writing now and of those opened later.
-    What it does not do: pace writes that are not direct-sink writes (small
-    files, object stores, buffered fallbacks).
+    Object-store uploads rest the same way between parts (:meth:`rest_after`).
+    What it does not do: pace small files written inline, or buffered fallbacks.
 
     Example::
 
@@ -58,6 +58,7 @@ class Pace:
         self._share = self.asked_share = float(share)   # asked_share: what the save was given
         self._lock = threading.Lock()
         self._engines: set = set()
+        self._hurried = threading.Event()
 
     @property
     def share(self) -> float:
@@ -81,8 +82,16 @@ class Pace:
         with self._lock:
             self._share, engines = 1.0, list(self._engines)
             self._engines.clear()
+            self._hurried.set()
         for engine in engines:
             engine.hurry()
+
+    def rest_after(self, took_s: float) -> None:
+        """Rest ``(1 - share) / share`` times ``took_s`` (what one piece of work took); :meth:`hurry` cuts
+        it short. For writers paced in Python (object-store parts); the C writer rests on its own."""
+        share = self._share
+        if share < 1.0:
+            self._hurried.wait(took_s * (1.0 - share) / share)
 
 
 @dataclass(frozen=True)
