@@ -1,19 +1,21 @@
-"""How a durable local write treats the machine it shares with training: past the page cache or
-through it, and at what pace.
+"""How a durable write treats the machine it shares with training: past the page cache or through
+it, and at what pace.
 
 A background save that writes at the disk's full speed costs a training loop
 on the same machine CPU time per byte (the kernel's and the hypervisor's I/O
 work, the memory bus), all of it while the save runs: on the 2-core VM,
 300 MiB written in the background at full speed slowed a tiny Llama's steps
-by +15-33%, and so did another process writing the same bytes with
-``O_DIRECT`` as fast. Paced to a quarter of the disk's speed, the same save
-slowed them by about 5% or less, for about the same training time lost per
-save. So background saves (``WriteMode.background()``) are paced, at
-``knobs.BACKGROUND_DISK_SHARE``, and blocking ones (:data:`FOREGROUND`) are not.
+by +15-34%, and another process writing the same bytes with ``O_DIRECT`` as
+fast by +20%. Paced to a quarter of the disk's speed, the same save slowed
+them by +4.6% (the median of five runs, from -1.7% to +23%), for about the
+same training time lost per save. So background saves
+(``WriteMode.background()``) are paced, at ``knobs.BACKGROUND_DISK_SHARE``,
+and blocking ones (:data:`FOREGROUND`) are not.
 
-The pacing itself is the C writer's (``_direct_writer.c``); this module holds
-what the save layers pass down to it. Not here: opening or writing files
-(``direct_io``, ``sinks``).
+The pacing itself is the C writer's for local files (``_direct_writer.c``)
+and the upload's for S3 parts (``backends.s3_upload``, through
+:meth:`Pace.rest_after`); this module holds what the save layers pass down
+to them. Not here: opening or writing files (``direct_io``, ``sinks``).
 
 Example::
 
