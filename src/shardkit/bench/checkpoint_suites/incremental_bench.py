@@ -46,10 +46,9 @@ import torch
 import shardkit.checkpoint as ck
 from shardkit.bench.common import evict_files, row, time_interleaved, warm_files
 from shardkit.checkpoint.format.manifest import read_manifest
-from shardkit.checkpoint.saving.byte_proof import equal_at
 from shardkit.checkpoint.format.references import data_path
 from shardkit.storage import byte_view, read_header, run_parallel, storage_for, write_safetensors
-from shardkit.storage.fast_io.memcopy import buffer_address
+from shardkit.storage.fast_io.memcopy import buffer_address, equal_at
 
 __all__ = ["run_incremental_benchmarks", "TENSORS", "CHANGED", "FLOOR"]
 

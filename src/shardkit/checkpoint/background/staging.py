@@ -35,9 +35,8 @@ from typing import Any, Callable, Collection, Iterable, Mapping
 import torch
 
 from shardkit import knobs
-from shardkit.checkpoint.saving.byte_proof import equal_at
 from shardkit.storage import run_parallel
-from shardkit.storage.fast_io.memcopy import copy_bytes
+from shardkit.storage.fast_io.memcopy import copy_bytes, equal_at
 from shardkit.storage.fast_io.prefault import populate_for_write
 
 __all__ = ["stage", "stage_against", "copy_host", "buffer_for", "map_leaves"]

@@ -40,8 +40,6 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import itertools
 import os
 from dataclasses import dataclass, field
@@ -50,9 +48,9 @@ import torch
 
 from shardkit import knobs
 from shardkit.storage import FileRecord, Reader, new_block_hasher, run_parallel
-from shardkit.storage.fast_io.memcopy import buffer_address
+from shardkit.storage.fast_io.memcopy import buffer_address, equal_at
 
-__all__ = ["Candidate", "ByteProof", "equal_at", "usable_cpus", "COMPARE_PIECE_BYTES", "FIRST_PIECE_BYTES"]
+__all__ = ["Candidate", "ByteProof", "usable_cpus", "COMPARE_PIECE_BYTES", "FIRST_PIECE_BYTES"]
 
 #: Bytes compared at a time: the unit of early exit, of a lane's turn and of a scratch read.
 COMPARE_PIECE_BYTES = 16 * 1024 * 1024
@@ -231,31 +229,3 @@ def usable_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
-
-
-def _load_memcmp():
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    memcmp = ctypes.CDLL(name).memcmp
-    memcmp.argtypes, memcmp.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int
-    return memcmp   # a ctypes call: the GIL is released while it runs
-
-
-_MEMCMP = _load_memcmp()
-
-
-def equal_at(a: int, b: int, nbytes: int) -> bool:
-    """Whether the ``nbytes`` at addresses ``a`` and ``b`` (host memory the caller keeps alive) are equal:
-    libc's ``memcmp`` (the GIL released), else ``torch.equal`` over the same memory where libc is not found.
-
-    >>> x = torch.arange(4, dtype=torch.uint8)
-    >>> y = x.clone()
-    >>> equal_at(x.data_ptr(), y.data_ptr(), 4)
-    True
-    """
-    if _MEMCMP is not None:
-        return _MEMCMP(a, b, nbytes) == 0
-    buf_a = (ctypes.c_uint8 * nbytes).from_address(a)
-    buf_b = (ctypes.c_uint8 * nbytes).from_address(b)
-    return torch.equal(torch.frombuffer(buf_a, dtype=torch.uint8), torch.frombuffer(buf_b, dtype=torch.uint8))

@@ -1,4 +1,5 @@
-"""Linux libc functions through ctypes, found once: what the kernel offers that Python's os module lacks.
+"""C library functions through ctypes, found once: what Python's os module lacks (Linux system calls
+such as ``madvise``) and plain libc routines (``memcmp``).
 
 Example::
 
@@ -11,18 +12,22 @@ from __future__ import annotations
 import ctypes
 import sys
 
-__all__ = ["linux_function"]
+__all__ = ["libc_function", "linux_function"]
 
 
-def linux_function(name: str, argtypes: list, restype=ctypes.c_int):
-    """libc's ``name`` on Linux with ``argtypes`` and ``restype`` set (``use_errno``: read the error with
-    ``ctypes.get_errno()``), else None (another platform, or a libc without it). Looked up among the
-    process's own symbols, so no ``ldconfig`` run is needed. A ctypes call releases the GIL while it runs."""
-    if not sys.platform.startswith("linux"):
-        return None
+def libc_function(name: str, argtypes: list, restype=ctypes.c_int):
+    """The C library's ``name`` with ``argtypes`` and ``restype`` set (``use_errno``: read the error with
+    ``ctypes.get_errno()``), else None (a platform without the process's own symbols, or a libc without
+    it). Looked up among the process's own symbols, so no ``ldconfig`` run is needed. A ctypes call
+    releases the GIL while it runs."""
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return None
     fn.argtypes, fn.restype = argtypes, restype
     return fn
+
+
+def linux_function(name: str, argtypes: list, restype=ctypes.c_int):
+    """:func:`libc_function` on Linux, else None (a Linux system call elsewhere is another one, or none)."""
+    return libc_function(name, argtypes, restype) if sys.platform.startswith("linux") else None
