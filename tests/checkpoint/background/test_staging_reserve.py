@@ -357,3 +357,9 @@ def test_manager_prepare_that_cannot_start_its_thread_is_typed_and_keeps_the_buf
         with pytest.raises(AsyncCheckpointError, match="can't start new thread"):
             mgr.prepare(state)
         assert api._STAGING[key] is kept
+
+
+def test_a_kept_buffer_of_a_leaf_the_state_no_longer_has_is_dropped():
+    kept = {("gone",): torch.empty(16), ("w",): torch.empty(8)}
+    buffers, _ = StagingReserve({"w": torch.ones(8)}, kept).take()
+    assert set(buffers) == {("w",)} and buffers[("w",)] is kept[("w",)]

@@ -106,9 +106,11 @@ class StagingReserve:
 
     def _hand_back_unreached(self) -> None:
         """Stopped early: the kept buffers of the leaves not reached yet go to the save as they are
-        (it checks that they fit), so a late reserve never costs the save a buffer it already had."""
+        (it checks that they fit), so a late reserve never costs the save a buffer it already had. A kept
+        buffer of a path the state no longer has is dropped here, not held until the save."""
+        leaves = {path for path, *_ in self._specs}
         for path, buf in self._old.items():
-            if path not in self._buffers:
+            if path in leaves and path not in self._buffers:
                 self._buffers[path] = buf
                 if id(buf) in self._old_unfaulted:
                     self._unfaulted.add(id(buf))
