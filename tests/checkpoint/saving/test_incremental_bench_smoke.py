@@ -16,8 +16,10 @@ def test_incremental_suite_runs_and_writes_only_the_changed_bytes(tmp_path):
     rows = run_incremental_benchmarks(4 << 20, 1, str(tmp_path))
     by = {(r["case"], r["impl"]): r for r in rows}
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    assert len(cases) == 5 and all(r["median_s"] > 0 for r in rows)
-    few, every, background, same, scattered = cases
+    assert len(cases) == 9 and all(r["median_s"] > 0 for r in rows)
+    few, every, background, *chains = cases
+    caches = ("cold", "warm, cached by a load", "warm, cached by read()")
+    assert all(case.endswith(", " + cache) for case, cache in zip(chains, caches * 2))
     in_background = by[(background, "shardkit")]
     assert in_background["bytes_written"] <= 1.1 * in_background["changed_bytes"]
     assert (background, "full async_save (no base)") in by
@@ -29,9 +31,10 @@ def test_incremental_suite_runs_and_writes_only_the_changed_bytes(tmp_path):
     assert floor["kind"] == "limit" and inc["changed_bytes"] <= floor["bytes_written"] <= 1.1 * inc["changed_bytes"]
     assert "not an implementation" in floor["note"] and (every, FLOOR) not in by
     assert by[(every, "shardkit")]["bytes_written"] == by[(every, "full save (no base)")]["bytes_written"]
-    assert by[(same, "shardkit")]["note"] == "references 1 earlier steps"
-    assert by[(scattered, "shardkit")]["note"] == "references 20 earlier steps"
-    for case in (same, scattered):                                     # the raw reads are limits, not peers
+    for same, scattered in zip(chains[:3], chains[3:]):
+        assert by[(same, "shardkit")]["note"] == "references 1 earlier steps"
+        assert by[(scattered, "shardkit")]["note"] == "references 20 earlier steps"
+    for case in chains:                                                # the raw reads are limits, not peers
         assert by[(case, RAW_CHAIN)]["kind"] == by[(case, RAW_FULL)]["kind"] == "limit"
 
 

@@ -24,10 +24,19 @@ each). Three rows, each fsync'd, interleaved with its full-save peer:
   incremental one proves the 61 unchanged tensors against its staging
   buffers (``checkpoint.background.staged_proof``), reading no base byte.
   ``wait()`` lifts the background pace, so both write at full speed.
-- **load the 20th step of a chain** (``checkpoint.load`` in place, warm
-  cache) against the same state saved in full: each step of the chain
-  changes the same 3 tensors (an adapter: step 20 reads from 2 directories),
-  or 3 other tensors (step 20 reads from 21 directories).
+- **load the 20th step of a chain** (``checkpoint.load`` in place) against
+  the same state saved in full: each step of the chain changes the same 3
+  tensors (an adapter: step 20 reads from 2 directories), or 3 other tensors
+  (step 20 reads from 21 directories). Three cache states, each the same for
+  every implementation: **cold** (every file evicted before each run: a
+  resume), **warm, cached by a load** (evicted, then loaded once untimed:
+  the folios a first load leaves, what a second load or a validate after a
+  load finds), and **warm, cached by read()** (evicted, then read
+  sequentially with ``read()``). How the pages got into the cache matters
+  to a mapped copy: ``read()``'s read-ahead ramps its folio size up over
+  each file, so 20 files of 48 MiB are cached in smaller folios than one of
+  1 GiB and fault in more pages per byte; a mapped load's own read-ahead
+  does not ramp that way.
 
 The notes give the bytes each save wrote against the bytes that changed.
 What it does not measure: multi-rank saves, object stores, row-band changes
@@ -213,7 +222,7 @@ def bench_background(state, workdir: str, reps: int, changed: list[str]) -> list
 
 
 def bench_chain_load(state, workdir: str, reps: int, *, scattered: bool) -> list[dict]:
-    """``checkpoint.load`` (in place, warm cache) of step 20 of a chain against the same state saved in full.
+    """``checkpoint.load`` (in place) of step 20 of a chain against the same state saved in full, cold and warm.
 
     ``scattered``: each step changes 3 other tensors (step 20 reads from 21 directories); else the same
     3 every step (an adapter: step 20 reads from itself and step 0)."""
@@ -233,19 +242,24 @@ def bench_chain_load(state, workdir: str, reps: int, *, scattered: bool) -> list
     out = {n: torch.empty_like(t) for n, t in state.items()}
     ck.load(out, last)
     assert all(torch.equal(out[n], state[n]) for n in names), "the chain loaded other values"
-    warm_files(root, full)
     impls = {"shardkit": lambda: ck.load(out, last), "full checkpoint": lambda: ck.load(out, full),
              RAW_CHAIN: lambda: raw_reads(last, out), RAW_FULL: lambda: raw_reads(full, out)}
-    timings = time_interleaved(impls, reps)
+    by_cache = {"cold": time_interleaved(impls, reps, lambda _name: evict_files(root, full))}
+    evict_files(root, full)
+    ck.load(out, last)
+    ck.load(out, full)
+    by_cache["warm, cached by a load"] = time_interleaved(impls, reps)
+    warm_files(root, full)
+    by_cache["warm, cached by read()"] = time_interleaved(impls, reps)
     bases = len(read_manifest(*storage_for(last)).bases)
     _fresh(root)
     _fresh(full)
     what = "3 other tensors per step" if scattered else "the same 3 tensors per step"
     notes = {"shardkit": f"references {bases} earlier steps", "full checkpoint": "self-contained"}
-    return [row(f"load step {CHAIN_STEPS} of a chain, {what}", name, timing, bytes=_nbytes(state),
+    return [row(f"load step {CHAIN_STEPS} of a chain, {what}, {cache}", name, timing, bytes=_nbytes(state),
                 kind="limit" if name in (RAW_CHAIN, RAW_FULL) else "peer",
                 note=notes.get(name, "the tensors' bytes read straight from their files: no plan, no checksum"))
-            for name, timing in timings.items()]
+            for cache, timings in by_cache.items() for name, timing in timings.items()]
 
 
 #: Limits of the chain load: the same bytes read from the same files, with nothing else done.
