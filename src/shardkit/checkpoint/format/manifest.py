@@ -184,8 +184,9 @@ def _too_large(path: str, size: int, obj: Any) -> None:
         f"stored once per rank. Nothing was committed")
 
 
-def read_manifest(storage: Storage, directory: str) -> Manifest:
-    """Read and check ``<directory>/metadata.json``.
+def read_manifest(storage: Storage, directory: str, *, parse=None) -> Manifest:
+    """Read and check ``<directory>/metadata.json`` (``parse``: :func:`parse_manifest`, or one that
+    gives the same result, as ``format.manifest_cache.ManifestCache`` does).
 
     A missing directory raises :class:`MissingShardError`; a directory
     without ``metadata.json`` raises :class:`IncompleteCheckpointError`;
@@ -199,7 +200,7 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
             f"{directory} has no {METADATA_FILE}: the save never finished (or this is not a "
             f"shardkit checkpoint). Load an earlier checkpoint."
         )
-    return parse_manifest(path, storage.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES))
+    return (parse or parse_manifest)(path, storage.read_bytes(path, max_bytes=knobs.MAX_INDEX_BYTES))
 
 
 def parse_manifest(source: str, data: bytes) -> Manifest:

@@ -79,7 +79,7 @@ from shardkit.checkpoint.manager.rotation import (
     NOT_COMPLETE, STEP_DIR, keep_referenced, own_step_complete, remove_step, remove_step_dir, save_problem,
     check_rotation_options, choose_base, step_dir_name, steps_to_remove,
 )
-from shardkit.checkpoint.format.manifest import read_manifest
+from shardkit.checkpoint.format.manifest_cache import ManifestCache
 from shardkit.checkpoint.format.ownership import mark_owned, owned_listing, sample_names
 from shardkit.errors import (
     AsyncWaitTimeout, CheckpointError, CheckpointExistsError, MetadataError,
@@ -116,6 +116,7 @@ class CheckpointManager:
         self._writing: int | None = None
         self._closed = False
         self._logged_steps: set[int] = set()  # steps whose foreign files were reported (once each)
+        self._manifests = ManifestCache()  # each rotation reads every kept step's manifest: parse each once
         if self.rank == 0:
             self._storage.makedirs(self.root)
 
@@ -238,7 +239,7 @@ class CheckpointManager:
 
     def metrics(self, step: int) -> dict:
         """The metrics saved with ``step`` (a NaN or infinite value comes back as that float)."""
-        m = read_manifest(self._storage, self.step_dir(step))
+        m = self._manifests.read(self._storage, self.step_dir(step))
         saved = dict((m.user_metadata.get(_KEY) or {}).get("metrics") or {})
         return {k: NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in saved.items()}
 
@@ -312,10 +313,10 @@ class CheckpointManager:
     def _base_for(self, step: int) -> int | None:
         """The newest complete step older than ``step`` that this manager wrote (None: save in full)."""
         own = [s for s in reversed(self._all_steps()) if s < step and self._complete(s) and self._owned(s)]
-        return choose_base(self._storage, self.root, own, self.full_every)
+        return choose_base(self._storage, self.root, own, self.full_every, read=self._manifests.read)
 
     def _complete(self, step: int) -> bool:
-        return own_step_complete(self._storage, self.step_dir(step))
+        return own_step_complete(self._storage, self.step_dir(step), read=self._manifests.read)
 
     def _rank0_decides(self, decide, what: str):
         return rank0_decides(self._coordinator, self.rank, decide, f"{what} under {self.root}")
@@ -362,7 +363,7 @@ class CheckpointManager:
         owned = [s for s in self._all_steps() if s != writing and self._owned(s)]
         remove = steps_to_remove(owned, complete, keep_last=self.keep_last, best=best, writing=writing)
         needed = (self._base,) if writing is not None and self._base is not None else ()
-        for step in keep_referenced(self._storage, self.root, remove, complete, needed):
+        for step in keep_referenced(self._storage, self.root, remove, complete, needed, read=self._manifests.read):
             self._remove_step(step)
         if complete and writing is None:
             # What killed saves left that no step lists: temporaries beside the steps, and on object

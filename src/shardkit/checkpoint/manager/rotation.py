@@ -16,7 +16,7 @@ import contextlib
 import re
 from typing import Callable
 
-from shardkit.checkpoint.format.manifest import METADATA_FILE, file_records, read_manifest
+from shardkit.checkpoint.format.manifest import METADATA_FILE, Manifest, file_records, read_manifest
 from shardkit.checkpoint.format.references import data_path
 from shardkit.checkpoint.format.ownership import foreign_names, is_own_name, sample_names
 from shardkit.errors import IncompleteCheckpointError, MetadataError
@@ -130,27 +130,32 @@ def save_problem(storage: Storage, root: str, step: int, newer: list[int],
     return None
 
 
-def own_step_complete(storage: Storage, path: str) -> bool:
+#: How the functions here read a step's manifest: ``read_manifest``, or a ``ManifestCache``'s ``read``.
+ReadManifest = Callable[[Storage, str], Manifest]
+
+
+def own_step_complete(storage: Storage, path: str, *, read: ReadManifest = read_manifest) -> bool:
     """Whether ``path`` holds shardkit's checkpoint, committed, every data file at its recorded size.
 
     False only for what :data:`NOT_COMPLETE` names; any other failure to read is raised.
     """
     try:
-        m = read_manifest(storage, path)
+        m = read(storage, path)
         records = file_records(storage, path, m)
         return all(storage.size_bytes(data_path(storage, path, f)) == r.bytes for f, r in records.items())
     except NOT_COMPLETE:
         return False
 
 
-def referenced_steps(storage: Storage, root: str, steps: list[int]) -> set[int]:
+def referenced_steps(storage: Storage, root: str, steps: list[int], *,
+                     read: ReadManifest = read_manifest) -> set[int]:
     """The steps whose files the checkpoints of ``steps`` (under ``root``) reference: their bases
     (format version 3; chains are flattened, so no closure is needed). A step that is gone or
     incomplete references nothing; any other failed read is raised (the rotation then deletes nothing)."""
     out: set[int] = set()
     for step in steps:
         try:
-            m = read_manifest(storage, storage.join(root, step_dir_name(step)))
+            m = read(storage, storage.join(root, step_dir_name(step)))
         except NOT_COMPLETE:
             continue
         out.update(int(match.group(1)) for match in map(STEP_DIR.fullmatch, m.base_dirs()) if match)
@@ -158,7 +163,7 @@ def referenced_steps(storage: Storage, root: str, steps: list[int]) -> set[int]:
 
 
 def keep_referenced(storage: Storage, root: str, remove: list[int], complete: list[int],
-                    needed: tuple[int, ...] = ()) -> list[int]:
+                    needed: tuple[int, ...] = (), *, read: ReadManifest = read_manifest) -> list[int]:
     """``remove`` less every step a kept complete step references (and ``needed``: the base of a save
     in flight): a step is freed only once no kept step reads from it.
 
@@ -166,16 +171,17 @@ def keep_referenced(storage: Storage, root: str, remove: list[int], complete: li
     [1]
     """
     kept = [s for s in complete if s not in remove]
-    referenced = referenced_steps(storage, root, kept) | set(needed)
+    referenced = referenced_steps(storage, root, kept, read=read) | set(needed)
     return [s for s in remove if s not in referenced]
 
 
-def steps_since_full(storage: Storage, root: str, newest_first: list[int], limit: int) -> int:
+def steps_since_full(storage: Storage, root: str, newest_first: list[int], limit: int, *,
+                     read: ReadManifest = read_manifest) -> int:
     """How many of ``newest_first`` (complete steps) are incremental before the newest full one
     (one without bases); stops counting at ``limit``."""
     count = 0
     for step in newest_first[:limit]:
-        if not read_manifest(storage, storage.join(root, step_dir_name(step))).bases:
+        if not read(storage, storage.join(root, step_dir_name(step))).bases:
             return count
         count += 1
     return count
@@ -191,12 +197,14 @@ def check_rotation_options(keep_last, full_every) -> None:
                             f"{full_every!r}")
 
 
-def choose_base(storage: Storage, root: str, own_newest_first: list[int], full_every: int | None) -> int | None:
+def choose_base(storage: Storage, root: str, own_newest_first: list[int], full_every: int | None, *,
+                read: ReadManifest = read_manifest) -> int | None:
     """The base of an incremental save: the newest of ``own_newest_first`` (complete steps the manager
     wrote), or None (save in full) when there is none or ``full_every - 1`` incremental steps follow
     the newest full one."""
     if not own_newest_first:
         return None
-    if full_every is not None and steps_since_full(storage, root, own_newest_first, full_every) >= full_every - 1:
+    if full_every is not None and steps_since_full(storage, root, own_newest_first, full_every,
+                                                   read=read) >= full_every - 1:
         return None
     return own_newest_first[0]
