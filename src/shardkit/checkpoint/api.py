@@ -188,7 +188,7 @@ def async_save(state_dict, dir, *, group=None, metadata=None, rank_state=None, b
     reused by the next save on the same group once this one has finished.
     The files are written with ``O_DIRECT``, as by :func:`save`, or through
     the page cache with ``knobs.BACKGROUND_DIRECT_IO = False``, at a share of
-    the disk's speed (``knobs.BACKGROUND_DISK_SHARE``, a quarter by default),
+    the disk's speed (``knobs.BACKGROUND_DISK_SHARE``, a tenth by default),
     so that training on the same machine barely slows while the save runs.
     ``future.wait()`` raises
     :class:`AsyncCheckpointError` if the save failed. ``base``: an incremental

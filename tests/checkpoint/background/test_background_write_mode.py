@@ -44,11 +44,12 @@ def _loads_back(path) -> None:
 def test_background_saves_take_the_knobs_mode_and_save_takes_the_foreground_one(tmp_path, modes_opened,
                                                                                 monkeypatch):
     ck.async_save(STATE, str(tmp_path / "d")).wait()
+    default_share = knobs.BACKGROUND_DISK_SHARE
     monkeypatch.setattr(knobs, "BACKGROUND_DIRECT_IO", False)
     monkeypatch.setattr(knobs, "BACKGROUND_DISK_SHARE", 0.5)
     ck.async_save(STATE, str(tmp_path / "a")).wait()
     ck.save(STATE, str(tmp_path / "s"))
-    assert modes_opened == [(True, 0.25), (False, 0.5), (True, None)]
+    assert modes_opened == [(True, default_share), (False, 0.5), (True, None)]
     _loads_back(tmp_path / "a")
 
 

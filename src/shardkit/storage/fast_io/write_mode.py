@@ -6,11 +6,14 @@ on the same machine CPU time per byte (the kernel's and the hypervisor's I/O
 work, the memory bus), all of it while the save runs: on the 2-core VM,
 300 MiB written in the background at full speed slowed a tiny Llama's steps
 by +15-34%, and another process writing the same bytes with ``O_DIRECT`` as
-fast by +20%. Paced to a quarter of the disk's speed, the same save slowed
-them by +4.6% (the median of five runs, from -1.7% to +23%), for about the
-same training time lost per save. So background saves
-(``WriteMode.background()``) are paced, at ``knobs.BACKGROUND_DISK_SHARE``,
-and blocking ones (:data:`FOREGROUND`) are not.
+fast by +20%. The cost follows the rate: paced to a quarter of the disk's
+speed the same save slowed them by -2% to +23% (the medians of seven runs,
+five of them +3% to +11%), to a tenth by -7% to +14% (four bench runs) and
++0.4%, +0.6% (two A/B runs of 10 saves), around the machine's own noise
+(another process writing, the floor, -2% to +5% in the same bench runs);
+the training time lost per save stayed about the same. So background saves
+(``WriteMode.background()``) are paced, at ``knobs.BACKGROUND_DISK_SHARE``
+(a tenth by default), and blocking ones (:data:`FOREGROUND`) are not.
 
 The pacing itself is the C writer's for local files (``_direct_writer.c``)
 and the upload's for S3 parts (``backends.s3_upload``, through
