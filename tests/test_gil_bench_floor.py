@@ -1,4 +1,7 @@
-"""The gil bench's floor row: a helper process that writes the bytes it holds, fsync'd, when told a path."""
+"""The gil bench's floor row (a helper process that writes the bytes it holds, fsync'd, when told a path)
+and its control row (nothing in flight for a fixed time)."""
+
+import time
 
 from shardkit.bench.checkpoint_suites import gil_bench
 
@@ -15,3 +18,15 @@ def test_the_floor_writer_writes_every_byte_and_says_when_it_is_done(tmp_path):
                 assert f.read() == b"\x5a" * (3 << 20)
     finally:
         saver.close()
+
+
+def test_the_control_is_done_after_its_time_and_not_before():
+    saver = gil_bench.control_saver(0.2)
+    began = time.perf_counter()
+    handle = saver.start("unused")
+    assert not saver.done(handle)
+    while not saver.done(handle):
+        time.sleep(0.01)
+    assert time.perf_counter() - began >= 0.2
+    saver.finish(handle)
+    saver.close()

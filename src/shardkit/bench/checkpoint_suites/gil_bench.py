@@ -28,7 +28,11 @@ process already holding ``size_bytes`` in its own memory writes them to a
 file and fsyncs it. It copies nothing out of the trainer and holds none of
 its locks, so the slowdown it causes is what the writing alone costs the
 training loop on this machine (memory bandwidth, the page cache, the
-cores): a lower bound for every background save.
+cores): a lower bound for every background save. And a control,
+``control: nothing in flight``: the loop polls a timer of ``CONTROL_S`` instead of a save, so its
+row is what the figures read when nothing at all runs beside the steps (the
+machine's own step-to-step noise, which a single save's slowdown cannot be
+told apart from).
 
 It does not measure the write's throughput (the ``async`` suite does) or
 multi-rank saves. Example::
@@ -55,7 +59,7 @@ from shardkit.bench.common import row
 from shardkit.bench.peers import single_process_dcp
 from shardkit.bench.workload import make_state
 
-__all__ = ["IMPLS", "FLOOR", "floor_saver", "run_gil_benchmarks"]
+__all__ = ["IMPLS", "FLOOR", "CONTROL", "floor_saver", "control_saver", "run_gil_benchmarks"]
 
 #: Implementation names, in the order of the rows.
 IMPLS = ("shardkit", "shardkit CheckpointManager.save", "shardkit, knobs.BACKGROUND_DISK_SHARE=1.0",
@@ -64,6 +68,10 @@ IMPLS = ("shardkit", "shardkit CheckpointManager.save", "shardkit, knobs.BACKGRO
 
 #: The floor: no implementation, see the module docstring.
 FLOOR = "floor: another process writes the bytes"
+
+#: The control: no implementation either, see the module docstring; and how long its "save" lasts.
+CONTROL = "control: nothing in flight"
+CONTROL_S = 1.0
 
 #: Steps with no save in flight, taken before each timed save.
 QUIET_STEPS = 8
@@ -139,6 +147,7 @@ def _savers(state: dict, root: str) -> dict[str, _Saver]:
 
     return {
         FLOOR: floor_saver(sum(t.numel() * t.element_size() for t in state.values())),
+        CONTROL: control_saver(CONTROL_S),
         IMPLS[0]: _Saver(lambda path: async_save(state, path), lambda f: f.done(), lambda f: f.wait()),
         IMPLS[1]: _Saver(lambda path: manager.save(next(steps), state), manager_done, lambda _: manager.wait(),
                          manager.close),
@@ -186,6 +195,12 @@ def floor_saver(size_bytes: int) -> _Saver:
         proc.wait(timeout=60)
 
     return _Saver(start, done, finish, close)
+
+
+def control_saver(seconds: float) -> _Saver:
+    """A "save" that does nothing and is done ``seconds`` after it starts."""
+    return _Saver(lambda _path: time.perf_counter() + seconds, lambda end: time.perf_counter() >= end,
+                  lambda _end: None)
 
 
 def _one_save(step: Callable[[], None], saver: _Saver, path: str) -> dict:
@@ -258,7 +273,7 @@ def _run(size_bytes: int, reps: int, root: str) -> list[dict]:
 def _rows(size_bytes: int, reps: int, root: str) -> list[dict]:
     step, state = _trainer(), make_state(size_bytes)
     savers = _savers(state, root)
-    names = (*IMPLS, FLOOR)
+    names = (*IMPLS, FLOOR, CONTROL)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     try:
         for rep in range(reps + 1):  # the first round is untimed: staging memory, DCP's writer process
@@ -281,7 +296,7 @@ def _rows(size_bytes: int, reps: int, root: str) -> list[dict]:
                  "in_flight_s": statistics.median(r["in_flight_s"] for r in runs[name]),
                  "steps_in_flight": statistics.median(r["steps"] for r in runs[name])}
         rows.append(row("train during save: mean step", name, _summary(runs[name], "step_s"),
-                        **({"kind": "limit"} if name == FLOOR else {}), **extra))
+                        **({"kind": "limit"} if name in (FLOOR, CONTROL) else {}), **extra))
     for name in IMPLS:
         rows.append(row("train during save: time lost per save", name, _summary(runs[name], "lost_s")))
     return rows
