@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit.layout import (
+    cover_problem,
     Box,
     compute_shard_sizes,
     intersect,
@@ -108,3 +109,17 @@ def test_contiguous_box_is_one_direct_read():
 
 def test_empty_box_plans_nothing():
     assert plan_box_reads((4, 0), (0, 0), (4, 0), (0, 0), (4, 0), 10) == []
+
+
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=4).flatmap(
+    lambda shape: st.tuples(st.just(tuple(shape)),
+                            st.tuples(*[st.integers(0, n) for n in shape]).flatmap(
+                                lambda offs: st.tuples(st.just(offs),
+                                                       st.tuples(*[st.integers(0, n - o)
+                                                                   for n, o in zip(shape, offs)]))))))
+def test_one_box_covers_exactly_when_it_is_the_whole_shape(case):
+    shape, (offsets, sizes) = case
+    problem = cover_problem(shape, [Box(offsets, sizes)])
+    whole = math.prod(shape) == 0 and math.prod(sizes) == 0 or (tuple(offsets), tuple(sizes)) == (
+        (0,) * len(shape), tuple(shape))
+    assert (problem is None) == whole, (shape, offsets, sizes, problem)

@@ -174,6 +174,8 @@ def cover_problem(full_shape: Sequence[int], boxes: Sequence[Box], max_cells: in
     covered = sum(math.prod(b.sizes) for b in nonempty)
     if covered != math.prod(full_shape):
         return f"the boxes hold {covered} elements, the shape {list(full_shape)} has {math.prod(full_shape)}"
+    if len(nonempty) <= 1:  # one box inside the shape, as large as it: the shape itself
+        return None
     cuts = [sorted({0, n, *(b.offsets[d] for b in nonempty), *(b.offsets[d] + b.sizes[d] for b in nonempty)})
             for d, n in enumerate(full_shape)]
     cells = math.prod(len(dim_cuts) - 1 for dim_cuts in cuts)
