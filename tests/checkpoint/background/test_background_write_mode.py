@@ -198,3 +198,38 @@ def test_only_a_wait_that_blocks_asks_the_save_to_hurry():
     future.wait()
     future.hurry()
     assert asked == [1]                 # done: nothing left to hurry
+
+
+def test_paced_for_at_most_lifts_the_pace_after_its_time_and_cancels_when_the_block_ends():
+    late, early = WriteMode(pace=Pace(0.5)), WriteMode(pace=Pace(0.5))
+    with late.paced_for_at_most(0.05):
+        late.pace._hurried.wait(30)          # the timer's hurry() sets it
+    assert late.pace.share == 1.0
+    with early.paced_for_at_most(0.2):
+        pass                                 # the write ended first: the timer is cancelled
+    time.sleep(0.4)
+    assert early.pace.share == 0.5
+    with FOREGROUND.paced_for_at_most(0.0), WriteMode(pace=Pace(0.5)).paced_for_at_most(None):
+        pass                                 # no pace, or no limit: nothing to do
+
+
+def _crawling_save_on_a_group_with_a_short_deadline(rank, world_size, root):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    knobs.DIRECT_IO_BLOCK_BYTES = 1 << 20
+    knobs.BACKGROUND_DISK_SHARE = 1e-4       # rests of ~10^4 times each 1 MiB block: minutes per file
+    group = dist.new_group(ranks=list(range(world_size)), timeout=timedelta(seconds=8))
+    state = {"w": torch.arange(4 << 20, dtype=torch.float32)}   # 16 MiB, replicated
+    future = ck.async_save(state, root, group=group)
+    future.wait(timeout=120, hurry=False)    # nobody hurries it: the group's deadline does, after 2 s
+    out = {"w": torch.zeros(4 << 20)}
+    ck.load(out, root, group=group)
+    return torch.equal(out["w"], state["w"])
+
+
+def test_a_multi_rank_background_save_is_paced_for_at_most_a_quarter_of_its_group_s_timeout(tmp_path):
+    from ranks import run_ranks
+
+    assert run_ranks(_crawling_save_on_a_group_with_a_short_deadline, 2, tmp_path, str(tmp_path / "ck")) == [True, True]

@@ -78,7 +78,7 @@ from shardkit.errors import MetadataError, TensorMismatchError
 from shardkit.layout import Box
 from shardkit.storage import FileLayout, FileRecord, Storage, file_layout, write_safetensors
 from shardkit.storage.checksum import block_digest
-from shardkit.storage.fast_io.write_mode import FOREGROUND, WriteMode
+from shardkit.storage.fast_io.write_mode import FOREGROUND, PACED_SHARE_OF_DEADLINE, WriteMode
 from shardkit.storage.json_io import gc_paused
 
 __all__ = ["Prepared", "prepare", "write_and_commit", "snapshot_metadata", "withdraw", "write_data_file", "commit"]
@@ -341,6 +341,11 @@ def _check_sized(rank: int, data_bytes: int, written: dict) -> FileRecord:
     return record
 
 
+def _paced_limit_s(coordinator) -> float | None:
+    """How long a paced write may stay paced before the exchange every rank meets at after it."""
+    return None if coordinator is None else coordinator.timeout.total_seconds() * PACED_SHARE_OF_DEADLINE
+
+
 def write_and_commit(prep: Prepared, storage: Storage, directory: str, coordinator,
                      before_write: Callable[[], None] | None = None, *, failed: BaseException | None = None,
                      locked: bool = False) -> None:
@@ -375,7 +380,8 @@ def _write_and_commit_locked(prep: Prepared, storage: Storage, directory: str, c
 
     _, exc = attempt(lock_and_withdraw) if failed is None else (None, failed)
     agree(coordinator, {"error": describe_error(exc)}, exc, _WITHDRAW_STEP, slot_bytes=_ERROR_SLOT_BYTES)
-    written, exc = attempt(lambda: _write_file(storage, directory, prep))
+    with prep.write_mode.paced_for_at_most(_paced_limit_s(coordinator)):   # others wait for it below
+        written, exc = attempt(lambda: _write_file(storage, directory, prep))
 
     def on_root(statuses: list[dict]) -> None:            # rank 0, once every rank wrote its file
         commit(storage, directory, prep, [s["written"] for s in statuses])

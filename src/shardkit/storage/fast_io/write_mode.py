@@ -29,12 +29,19 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
 from shardkit import knobs
 
-__all__ = ["Pace", "WriteMode", "FOREGROUND"]
+__all__ = ["Pace", "WriteMode", "FOREGROUND", "PACED_SHARE_OF_DEADLINE"]
+
+#: A save whose ranks meet in a collective after writing stays paced for at most this share of that
+#: collective's timeout (``WriteMode.paced_for_at_most``), then writes the rest at full speed: a rank
+#: with far more to write than the others (rank 0 of an uneven state, a slow disk) must not keep
+#: them waiting in the exchange until the group's deadline fails the save.
+PACED_SHARE_OF_DEADLINE = 0.25
 
 
 class Pace:
@@ -128,6 +135,27 @@ class WriteMode:
         """Lift the pace, if any (:meth:`Pace.hurry`)."""
         if self.pace is not None:
             self.pace.hurry()
+
+    @contextlib.contextmanager
+    def paced_for_at_most(self, seconds: float | None):
+        """Within the block, lift the pace ``seconds`` after it began (None, or no pace: nothing to do).
+
+        The write of a multi-rank save runs inside it with ``PACED_SHARE_OF_DEADLINE`` of its group's
+        timeout (``saving.chunked_save.write_and_commit``)::
+
+            with mode.paced_for_at_most(600 * PACED_SHARE_OF_DEADLINE):
+                ...                        # paced for 150 s at most, then full speed
+        """
+        if self.pace is None or seconds is None:
+            yield
+            return
+        timer = threading.Timer(max(0.0, seconds), self.pace.hurry)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
 
 
 #: Blocking saves: ``O_DIRECT``, unpaced.
