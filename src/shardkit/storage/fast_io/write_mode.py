@@ -5,7 +5,7 @@ A background save that writes at the disk's full speed costs a training loop
 on the same machine CPU time per byte (the kernel's and the hypervisor's I/O
 work, the memory bus), all of it while the save runs: on the 2-core VM,
 300 MiB written in the background at full speed slowed a tiny Llama's steps
-by +15-34%, and another process writing the same bytes with ``O_DIRECT`` as
+by +15-36%, and another process writing the same bytes with ``O_DIRECT`` as
 fast by +20%. The cost follows the rate: paced to a quarter of the disk's
 speed the same save slowed them by -2% to +23% (the medians of seven runs,
 five of them +3% to +11%), to a tenth by -7% to +14% (four bench runs) and
