@@ -4,6 +4,7 @@
 import os
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -211,6 +212,10 @@ def test_paced_for_at_most_lifts_the_pace_after_its_time_and_cancels_when_the_bl
     assert early.pace.share == 0.5
     with FOREGROUND.paced_for_at_most(0.0), WriteMode(pace=Pace(0.5)).paced_for_at_most(None):
         pass                                 # no pace, or no limit: nothing to do
+    forever = WriteMode(pace=Pace(0.5))
+    with forever.paced_for_at_most(timedelta.max.total_seconds()):   # a group that never times out
+        pass
+    assert forever.pace.share == 0.5
 
 
 def _crawling_save_on_a_group_with_a_short_deadline(rank, world_size, root):

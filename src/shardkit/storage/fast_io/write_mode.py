@@ -149,7 +149,7 @@ class WriteMode:
         if self.pace is None or seconds is None:
             yield
             return
-        timer = threading.Timer(max(0.0, seconds), self.pace.hurry)
+        timer = threading.Timer(min(max(0.0, seconds), threading.TIMEOUT_MAX), self.pace.hurry)  # a huge timeout too
         timer.daemon = True
         timer.start()
         try:
