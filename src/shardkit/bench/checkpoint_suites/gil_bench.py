@@ -282,8 +282,9 @@ def _rows(size_bytes: int, reps: int, root: str) -> list[dict]:
                 result = _one_save(step, savers[name], path)
                 if rep:
                     runs[name].append(result)
-                if "shardkit CheckpointManager" not in name:
+                if "shardkit CheckpointManager" not in name:   # the manager removes its own old steps
                     shutil.rmtree(path, ignore_errors=True)
+                    os.sync()   # the removal's journal and discards land here, not in the next one's quiet steps
     finally:
         for saver in savers.values():
             saver.close()
