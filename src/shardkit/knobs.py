@@ -157,11 +157,12 @@ BACKGROUND_DIRECT_IO: bool = True
 #: ``save``, ``close()``, the exit) lifts the pace. ``save`` is never paced. Writing at full speed
 #: costs a training loop on the same machine CPU time per byte, all of it while the save runs. Beside
 #: a tiny Llama on 1 thread (``shardkit bench --only gil``, 300 MiB, 2-core VM): at full speed the
-#: steps in flight ran +15% to +36% slower (9 runs); at 0.25, +5%, -2%, +23%, +3%, +8%, and +9%, +11%
+#: steps in flight ran +15% to +36% slower (11 runs); at 0.25, +5%, -2%, +23%, +3%, +8%, and +9%, +11%
 #: in two A/Bs against 0.1 (10 saves each, interleaved: 0.1 gave +0.6%, +0.4%); at 0.1, +14%, -1%,
-#: +4%, -7% over four bench runs of 5-8 saves (single saves from -19% to +25%: the machine's own
-#: noise; the floor, another process writing, -2% to +5% in the same runs). The save stays in
-#: flight 1.7-2.0 s for 300 MiB instead of 0.23-0.28 s (10 GB at this VM's 1.2 GB/s: ~80 s), well
+#: +4%, -7%, -2%, +12%, +2%, -1% over eight bench runs of 5-8 saves and +0.9% pooled over 60 saves
+#: of three A/Bs (single saves from -19% to +35%, as with nothing in flight: the machine's own noise;
+#: the floor, another process writing, -5% to +5% in the same runs). The save stays in
+#: flight 1.7-2.3 s for 300 MiB instead of 0.23-0.28 s (10 GB at this VM's 1.2 GB/s: ~80 s), well
 #: below a usual save interval, and a blocking wait on it ends the rests at once.
 BACKGROUND_DISK_SHARE: float = 0.1
 DIRECT_IO_BLOCK_BYTES: int = 16 * 1024 * 1024

@@ -5,12 +5,13 @@ A background save that writes at the disk's full speed costs a training loop
 on the same machine CPU time per byte (the kernel's and the hypervisor's I/O
 work, the memory bus), all of it while the save runs: on the 2-core VM,
 300 MiB written in the background at full speed slowed a tiny Llama's steps
-by +15-36%, and another process writing the same bytes with ``O_DIRECT`` as
+by +15-36% (eleven runs), and another process writing the same bytes with ``O_DIRECT`` as
 fast by +20%. The cost follows the rate: paced to a quarter of the disk's
 speed the same save slowed them by -2% to +23% (the medians of seven runs,
-five of them +3% to +11%), to a tenth by -7% to +14% (four bench runs) and
-+0.4%, +0.6% (two A/B runs of 10 saves), around the machine's own noise
-(another process writing, the floor, -2% to +5% in the same bench runs);
+five of them +3% to +11%), to a tenth by -7% to +14% (eight bench runs of
+5-8 saves) and +0.9% pooled over 60 saves of three A/B runs, around the
+machine's own noise (another process writing, the floor, -5% to +5% in the
+same bench runs; nothing in flight at all, -8% to +3%);
 the training time lost per save stayed about the same. So background saves
 (``WriteMode.background()``) are paced, at ``knobs.BACKGROUND_DISK_SHARE``
 (a tenth by default), and blocking ones (:data:`FOREGROUND`) are not.
