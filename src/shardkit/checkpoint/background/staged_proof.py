@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from shardkit.checkpoint.format.manifest import data_file_name
-from shardkit.checkpoint.format.references import base_key
+from shardkit.checkpoint.format.references import base_key, dir_name
 from shardkit.storage import Storage
 
 __all__ = ["Held", "StagedSave", "committed", "comparable", "take", "keep"]
@@ -102,8 +102,7 @@ def committed(prep, storage: Storage, directory: str) -> StagedSave | None:
     written = prep.written
     if written is None:
         return None
-    name = directory.rstrip("/").rsplit("/", 1)[-1]
-    own = (base_key(name, data_file_name(prep.rank)), written["record"]["checksum"])
+    own = (base_key(dir_name(directory), data_file_name(prep.rank)), written["record"]["checksum"])
     refs = written.get("refs", {})
     records = prep.base_view.records if prep.base_view is not None else {}
     held = {}

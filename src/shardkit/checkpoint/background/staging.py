@@ -108,9 +108,9 @@ def _copy_all(moves: list[tuple], differed: set[int]) -> None:
     """Copy each move; one with a buffer id (``compare``) only where its bytes differ, noting the id in
     ``differed`` then (set.add is atomic under the GIL)."""
     for dst, src, nbytes, _fresh, compared in moves:
-        if compared is not None and equal_at(dst, src, nbytes):    # memcmp, the GIL released
-            continue
         if compared is not None:
+            if equal_at(dst, src, nbytes):    # memcmp, the GIL released
+                continue
             differed.add(compared)
         copy_bytes(dst, src, nbytes)  # releases the GIL while it copies
 

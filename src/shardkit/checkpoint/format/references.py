@@ -28,7 +28,7 @@ from shardkit.errors import MetadataError, MissingBaseError
 from shardkit.storage import FileRecord, Storage, check_relative_name
 from shardkit.storage.json_io import expect_dict, expect_list, expect_str, short_repr
 
-__all__ = ["Base", "parse_bases", "base_file_key", "base_key", "split_key", "data_path", "parent_dir",
+__all__ = ["Base", "parse_bases", "base_file_key", "base_key", "split_key", "data_path", "parent_dir", "dir_name",
            "check_base_name", "check_base", "metadata_save_id", "SAVE_ID_PREFIX"]
 
 #: A base's identity: the digest of its committed ``metadata.json``.
@@ -61,6 +61,11 @@ def parent_dir(directory: str) -> str:
     """The directory holding ``directory`` (local path or URL), where its siblings are."""
     d = directory.rstrip("/")
     return d.rsplit("/", 1)[0] if "/" in d else "."
+
+
+def dir_name(directory: str) -> str:
+    """The last part of ``directory`` (local path or URL): the name its siblings' references use."""
+    return directory.rstrip("/").rsplit("/", 1)[-1]
 
 
 def data_path(storage: Storage, directory: str, key: str) -> str:

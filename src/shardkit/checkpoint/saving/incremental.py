@@ -33,7 +33,9 @@ import torch
 from shardkit import knobs
 from shardkit.checkpoint.format.manifest import METADATA_FILE, Manifest, file_records, parse_manifest
 from shardkit.checkpoint.format.compact_manifest import GridChunks
-from shardkit.checkpoint.format.references import Base, base_key, data_path, metadata_save_id, parent_dir, split_key
+from shardkit.checkpoint.format.references import (
+    Base, base_key, data_path, dir_name, metadata_save_id, parent_dir, split_key,
+)
 from shardkit.checkpoint.saving.byte_proof import ByteProof, Candidate
 from shardkit.dtypes import to_safetensors_name
 from shardkit.errors import MetadataError, MissingShardError
@@ -66,7 +68,7 @@ class BaseView:
 def check_sibling(storage: Storage, directory: str, base_directory: str) -> str:
     """The name of ``base_directory`` if it is a sibling of ``directory`` (same parent, another name),
     else :class:`MetadataError`: references name a base relative to the checkpoint's parent."""
-    name = base_directory.rstrip("/").rsplit("/", 1)[-1]
+    name = dir_name(base_directory)
     same_parent = storage.same_path(parent_dir(base_directory)) == storage.same_path(parent_dir(directory))
     if not same_parent or storage.same_path(base_directory) == storage.same_path(directory) or not name \
             or name in (".", ".."):
@@ -131,6 +133,15 @@ def _header_range(reader: Reader, headers: dict, key: str, record: FileRecord, n
     return entry.begin, entry.end
 
 
+def _split_proven(found: list, proven: dict[str, tuple[str, str]], view: BaseView) -> tuple[list, list]:
+    """``found`` (``(candidate, file key)``) split into those ``proven`` already vouches for (the same file
+    key, recorded with the same checksum in the base read now) and those still to compare."""
+    known, rest = [], []
+    for c, key in found:
+        (known if proven.get(c.name) == (key, view.records[key].checksum) else rest).append((c, key))
+    return known, rest
+
+
 def write_changed(storage: Storage, directory: str, view: BaseView, boxes: dict[str, tuple[tuple[int, ...], Box]],
                   to_write: dict, write: Callable[[list], dict], *, proven: dict[str, tuple[str, str]] | None = None
                   ) -> tuple[dict, dict[str, list]]:
@@ -154,12 +165,11 @@ def write_changed(storage: Storage, directory: str, view: BaseView, boxes: dict[
     try:
         found = _candidates(storage, directory, view, boxes, to_write, readers)
         proven = proven or {}
-        known = [(c, key) for c, key in found if proven.get(c.name) == (key, view.records[key].checksum)]
-        found = [(c, key) for c, key in found if proven.get(c.name) != (key, view.records[key].checksum)]
+        known, found = _split_proven(found, proven, view)
         proof = ByteProof([c for c, _ in found], digest_first=not storage.renames_directories)
         proof.probe()
         early = {found[i][0].name for i in proof.changed()}
-        compared = {c.name for c, _ in found} | {c.name for c, _ in known}
+        compared = {c.name for c, _ in found + known}
         first = [(n, t) for n, t in to_write.items() if n not in compared or n in early]
         result: dict = {}
         run_parallel([lambda: result.__setitem__("written", write(first)), *proof.jobs()])
